@@ -1,0 +1,179 @@
+"""Closed-form identification counts (THEORY.md), for every variant of `AttentionSpec`.
+
+The counts rest on one fact about matrix products: the map ``(A, B) -> A B^T`` with
+``A`` of shape ``n1 x k`` and ``B`` of shape ``n2 x k`` has, at a generic point, an
+image of dimension ``rho (n1 + n2 - rho)`` with ``rho = min(k, n1, n2)`` (matrices of
+rank at most ``rho``), so its fibre has dimension ``(n1 + n2) k - rho (n1 + n2 - rho)``.
+That is ``k^2`` (the GL(k) gauge) when ``k <= n1, n2``, and it is also the right number
+in the edge cases ``head_dim > d_model``.
+
+Every count here is checked against the Jacobian-rank arbiter in ``tests/``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from attnid.errors import AttnidError
+from attnid.spec import AttentionSpec
+
+
+def product_fibre_dim(n1: int, n2: int, k: int) -> int:
+    """Dimension of the set of ``(A, B)`` with the same generic product ``A B^T``.
+
+    >>> product_fibre_dim(16, 16, 4)   # GL(4) gauge
+    16
+    >>> product_fibre_dim(3, 3, 5)     # head_dim 5 > width 3: 2*3*5 - (2*3*3 - 9)
+    21
+    """
+    rho = min(k, n1, n2)
+    return (n1 + n2) * k - rho * (n1 + n2 - rho)
+
+
+@dataclass(frozen=True)
+class Component:
+    """One block of parameters and the unidentified directions that live in it."""
+
+    params: int
+    unidentified: int
+    near_unidentified: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        return {
+            "params": self.params,
+            "unidentified": self.unidentified,
+            "near_unidentified": self.near_unidentified,
+        }
+
+
+@dataclass(frozen=True)
+class Count:
+    """Result of :func:`count`: totals and the breakdown by symmetry component."""
+
+    spec: AttentionSpec
+    components: dict[str, Component] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return sum(c.params for c in self.components.values())
+
+    @property
+    def unidentified(self) -> int:
+        """Exactly unidentified directions (the Jacobian's nullity)."""
+        return sum(c.unidentified for c in self.components.values())
+
+    @property
+    def near_unidentified(self) -> int:
+        """Directions identified only through a norm's epsilon (tiny singular values)."""
+        return sum(c.near_unidentified for c in self.components.values())
+
+    @property
+    def identified(self) -> int:
+        return self.total - self.unidentified
+
+    @property
+    def ratio(self) -> float:
+        return self.unidentified / self.total
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "total": self.total,
+            "identified": self.identified,
+            "unidentified": self.unidentified,
+            "ratio": self.ratio,
+            "near_unidentified": self.near_unidentified,
+            "components": {k: v.to_dict() for k, v in self.components.items()},
+            "spec": self.spec.to_dict(),
+        }
+
+
+def count(spec: AttentionSpec) -> Count:
+    """Closed-form parameter counts of one attention layer.
+
+    >>> c = count(AttentionSpec(d_model=64, n_heads=4))
+    >>> c.total, c.unidentified, c.ratio
+    (16384, 2048, 0.125)
+    >>> count(AttentionSpec(d_model=8192, n_heads=64, n_kv_heads=8)).components["qk_gauge"].unidentified
+    131072
+    """
+    return Count(spec=spec, components={**_qk_components(spec), **_vo_components(spec)})
+
+
+def _qk_components(spec: AttentionSpec) -> dict[str, Component]:
+    d, H, G, m = spec.d_model, spec.n_heads, spec.n_kv_heads, spec.group_size
+    dk, r, p = spec.head_dim, spec.rope_dims, spec.pass_dims
+    assert G is not None and dk is not None
+    has_q, has_k = spec.has_bias("q"), spec.has_bias("k")
+    weights = d * H * dk + d * G * dk + (H * dk if has_q else 0)
+    key_bias = G * dk if has_k else 0
+    out: dict[str, Component] = {}
+    if spec.qk_norm == "none":
+        # Per group, scores are products of (query rows, augmented by b_Q) with W_K:
+        # pass-through dims give a real product fibre, each rotated plane a complex
+        # scalar (2 real dims) that commutes with every rotation.
+        rows = m * (d + (1 if has_q else 0))
+        gauge = G * (product_fibre_dim(rows, d, p) + r)
+        out["qk_gauge"] = Component(weights, gauge)
+        if has_k:
+            # q . b_K is constant along a softmax row unless RoPE rotates it.
+            out["key_bias_translation"] = Component(key_bias, G * p)
+        return out
+    # QK-norm: RMSNorm removes the scale of each query head and key group (exactly
+    # only when eps == 0) and the key bias passes through the norm, so it is seen.
+    scales = H + G
+    exact_scales = spec.qk_norm_eps == 0.0
+    gains = 2 * dk
+    if has_k:
+        out["key_bias_translation"] = Component(key_bias, 0)
+    if dk <= d:
+        # The gains can be traded between q and k elementwise (within a plane under
+        # RoPE); nothing else survives the norm.
+        out["qk_gauge"] = Component(
+            weights, scales if exact_scales else 0, 0 if exact_scales else scales
+        )
+        out["qk_norm_gain_transfer"] = Component(gains, p + r // 2)
+        return _reorder(out)
+    if r or m > 1:
+        raise AttnidError(
+            "no closed form for QK-norm with head_dim > d_model under RoPE or GQA "
+            "(a known limit); "
+            "count such a layer numerically with attnid.jacobian_rank"
+        )
+    # head_dim > d_model: each head's (bias-augmented) quadratic forms W W^T and the
+    # products W_Q diag(g) W_K^T are all that the scores see; up to one scale per
+    # query head and per key group, they are free (a = d + [q], b = d + [k]). With a
+    # bias, eps only shifts the constant entry of the quadratic form, which the
+    # spare head dims absorb: that side's scales are then exact even for eps > 0.
+    a, b = d + (1 if has_q else 0), d + (1 if has_k else 0)
+    seen = G * (m * a * b + m * a * (a + 1) // 2 + b * (b + 1) // 2)
+    near = (0 if exact_scales or has_q else H) + (0 if exact_scales or has_k else G)
+    null = weights + key_bias + gains - seen + scales - near
+    out["qk_gauge"] = Component(weights, null, near)
+    out["qk_norm_gain_transfer"] = Component(gains, 0)
+    return _reorder(out)
+
+
+def _reorder(out: dict[str, Component]) -> dict[str, Component]:
+    order = ("qk_gauge", "key_bias_translation", "qk_norm_gain_transfer")
+    return {k: out[k] for k in order if k in out}
+
+
+def _vo_components(spec: AttentionSpec) -> dict[str, Component]:
+    d, H, G, m = spec.d_model, spec.n_heads, spec.n_kv_heads, spec.group_size
+    dv = spec.v_head_dim
+    assert G is not None and dv is not None
+    weights = d * G * dv + H * dv * d
+    out = {"vo_gauge": Component(weights, G * product_fibre_dim(d, m * d, dv))}
+    has_v, has_o = spec.has_bias("v"), spec.has_bias("o")
+    if has_v or has_o:
+        # Rows of A sum to 1: biases act only through b_O + sum_h b_V^{g(h)} W_O^h.
+        params = (G * dv if has_v else 0) + (d if has_o else 0)
+        seen = d if has_o else (min(G * dv, d) if has_v else 0)
+        out["value_bias_translation"] = Component(params, params - seen)
+    return out
+
+
+def headline_ratio(n_heads: int) -> float:
+    """The paper's headline: plain MHA without biases leaves 1/(2H) unidentified."""
+    return 1.0 / (2 * n_heads)
