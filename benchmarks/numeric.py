@@ -48,6 +48,9 @@ def main() -> None:
     torch.manual_seed(0)
     sizes = [(16, 2), (24, 4), (32, 4), (44, 4)] + ([(72, 8)] if args.big else [])
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}")
+    # one-time process start-up (functorch, LAPACK) is paid before timing anything
+    jacobian_rank(randomize_(Attention(AttentionSpec(d_model=4, n_heads=2)).double(), 0))
+    torch.linalg.svdvals(torch.randn(64, 64, dtype=torch.float64))
     print(f"{'P':>7} {'null':>6} {'theory':>6} {'arbiter s':>10} {'naive s':>9} {'floor s':>8}"
           f" {'a/b':>6} {'a/c':>6}")
     for d, H in sizes:

@@ -53,6 +53,7 @@ class ArbiterResult:
     seq_len: int
     n_rows: int
     seconds: float
+    null_space: torch.Tensor | None = None  # [P, nullity] orthonormal, when asked for
 
     def summary(self) -> dict[str, float | int | None]:
         return {
@@ -111,6 +112,7 @@ def jacobian_rank(
     near_rtol: float = NEAR_RTOL,
     oversample: int = 16,
     chunk_rows: int = 128,
+    return_null_space: bool = False,
 ) -> ArbiterResult:
     """Rank, nullity and spectrum of ``d outputs / d parameters`` at the module's current point.
 
@@ -126,7 +128,10 @@ def jacobian_rank(
     """
     start = time.perf_counter()
     work = copy.deepcopy(module).to(torch.float64)
-    names, tensors = zip(*[(n, p.detach()) for n, p in work.named_parameters() if p.requires_grad], strict=False)
+    named = [(n, p.detach()) for n, p in work.named_parameters() if p.requires_grad]
+    if not named:
+        raise AttnidError("the module has no trainable parameters")
+    names, tensors = zip(*named, strict=True)
     shapes = [t.shape for t in tensors]
     sizes = [t.numel() for t in tensors]
     flat0 = torch.cat([t.reshape(-1) for t in tensors])
@@ -151,13 +156,19 @@ def jacobian_rank(
         out, pullback = vjp(f, flat0)
     N = out.numel()
     sketch = _sketch(pullback, N, P, oversample, chunk_rows, seed)
-    sv = torch.linalg.svdvals(sketch)  # descending
+    null_space = None
+    if return_null_space:
+        _, sv, Vh = torch.linalg.svd(sketch, full_matrices=True)
+    else:
+        sv = torch.linalg.svdvals(sketch)  # descending
     tol = EXACT_RTOL["float64"] if rtol is None else rtol
     rank, nullity, near, gap = classify(sv, P, tol, near_rtol)
+    if return_null_space:
+        null_space = Vh[P - nullity :].T
     return ArbiterResult(
         n_params=P, rank=rank, nullity=nullity, near_nullity=near, spectral_gap=gap,
         singular_values=sv, rtol=tol, near_rtol=near_rtol, n_sequences=x.shape[0],
-        seq_len=x.shape[1], n_rows=N, seconds=time.perf_counter() - start,
+        seq_len=x.shape[1], n_rows=N, seconds=time.perf_counter() - start, null_space=null_space,
     )
 
 

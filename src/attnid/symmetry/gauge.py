@@ -1,0 +1,104 @@
+"""Finite gauge transforms: random elements of a layer's symmetry group, applied as pure functions.
+
+Every transform below leaves the layer's function unchanged exactly (QK-norm scales only
+when eps = 0); `tests/symmetry/test_gauge.py` checks it in float64 to 1e-10 relative.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from attnid.symmetry.tangent import TangentMap, group_sum_out, pass_mask, project_commutant, project_tied
+from attnid.symmetry.weights import AttentionWeights
+
+
+@dataclass(frozen=True)
+class Gauge:
+    """One group element. Absent pieces (None) act as the identity."""
+
+    S: torch.Tensor | None = None  # [..., G, dk, dk] QK gauge, in the RoPE commutant
+    kappa: torch.Tensor | None = None  # [..., G, dk] key-bias shift on pass-through dims
+    C: torch.Tensor | None = None  # [..., G, dv, dv] VO gauge
+    beta: torch.Tensor | None = None  # [..., G, dv] value-bias shift, compensated in b_O
+    log_t: torch.Tensor | None = None  # [..., dk] QK-norm gain transfer (tied in planes)
+    c_q: torch.Tensor | None = None  # [..., H] QK-norm query scales (> 0; exact when eps = 0)
+    c_k: torch.Tensor | None = None  # [..., G] QK-norm key scales
+
+
+def random_gauge(w: AttentionWeights, *, scale: float = 0.5, seed: int = 0,
+                 bias_shift: float = 10.0) -> Gauge:
+    """A random, well-conditioned element of the symmetry group of ``w``'s spec."""
+    s = w.spec
+    gen = torch.Generator().manual_seed(seed)
+    b, dt = w.batch_shape, w.W_Q.dtype
+    G, dk, dv = s.n_kv_heads, s.head_dim, s.v_head_dim
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*b, *shape, generator=gen, dtype=torch.float64).to(dt)
+
+    eye = lambda n: torch.eye(n, dtype=dt)  # noqa: E731
+    out: dict[str, torch.Tensor] = {}
+    if s.qk_norm == "none":
+        out["S"] = project_commutant(eye(dk) + scale * rnd(G, dk, dk) / dk**0.5, s)
+        if w.b_K is not None:
+            out["kappa"] = bias_shift * rnd(G, dk) * pass_mask(s, w.W_Q)
+    else:
+        out["log_t"] = project_tied(scale * rnd(dk), s)
+        if s.qk_norm_eps == 0.0:
+            out["c_q"] = torch.exp(scale * rnd(s.n_heads))
+            out["c_k"] = torch.exp(scale * rnd(G))
+    out["C"] = eye(dv) + scale * rnd(G, dv, dv) / dv**0.5
+    if w.b_V is not None:
+        beta = bias_shift * rnd(G, dv)
+        if w.b_O is None:  # only shifts that the other groups' biases cannot see
+            tmap = TangentMap(w.replace(W_O=_gauged_out(w.W_O, out["C"], s.group_size)), "vo")
+            basis = tmap._beta_basis()  # [..., G*dv, k]
+            coef = (basis.transpose(-1, -2) @ beta.reshape(*b, -1, 1))
+            beta = (basis @ coef).reshape(*b, G, dv)
+        out["beta"] = beta
+    return Gauge(**out)
+
+
+def _gauged_out(W_O: torch.Tensor, C: torch.Tensor, m: int) -> torch.Tensor:
+    return torch.linalg.solve(C.repeat_interleave(m, dim=-3), W_O)  # C^{-1} W_O^h
+
+
+def apply_gauge(w: AttentionWeights, g: Gauge) -> AttentionWeights:
+    """The transformed weights (new tensors; ``w`` is not modified)."""
+    s = w.spec
+    m = s.group_size
+    new: dict[str, torch.Tensor | None] = {}
+    if g.S is not None:
+        S = g.S
+        Sh = S.repeat_interleave(m, dim=-3)
+        S_invT = torch.linalg.inv(S).transpose(-1, -2)
+        new["W_Q"] = w.W_Q @ Sh
+        new["W_K"] = w.W_K @ S_invT
+        if w.b_Q is not None:
+            new["b_Q"] = (w.b_Q.unsqueeze(-2) @ Sh).squeeze(-2)
+        if w.b_K is not None:
+            bk = (w.b_K.unsqueeze(-2) @ S_invT).squeeze(-2)
+            new["b_K"] = bk if g.kappa is None else bk + g.kappa
+    if g.log_t is not None:
+        new["g_Q"] = w.g_Q * torch.exp(g.log_t)
+        new["g_K"] = w.g_K * torch.exp(-g.log_t)
+    if g.c_q is not None:
+        new["W_Q"] = w.W_Q * g.c_q[..., :, None, None]
+        new["W_K"] = w.W_K * g.c_k[..., :, None, None]
+        if w.b_Q is not None:
+            new["b_Q"] = w.b_Q * g.c_q[..., :, None]
+        if w.b_K is not None:
+            new["b_K"] = w.b_K * g.c_k[..., :, None]
+    if g.C is not None:
+        new["W_V"] = w.W_V @ g.C
+        new["W_O"] = _gauged_out(w.W_O, g.C, m)
+        if w.b_V is not None:
+            new["b_V"] = (w.b_V.unsqueeze(-2) @ g.C).squeeze(-2)
+    if g.beta is not None:
+        out_w = w.replace(**{k: v for k, v in new.items() if k == "W_O"})
+        new["b_V"] = new.get("b_V", w.b_V) + g.beta
+        if w.b_O is not None:
+            new["b_O"] = w.b_O - torch.einsum("...gv,...gvd->...d", g.beta, group_sum_out(out_w))
+    return w.replace(**new)

@@ -1,0 +1,188 @@
+"""Split an update into its orbit-tangent part and the rest, batched over groups and layers.
+
+The least-squares generators solve the normal equations ``T*T x = T* delta``. For the
+plain gauge these are Sylvester equations (``G_Q M + M G_K = W_Q^T dW_Q - dW_K^T W_K``),
+solved exactly with two symmetric eigendecompositions per group (THEORY.md); the RoPE
+commutant, the bias translations and the QK-norm directions couple them, so the solve is
+preconditioned conjugate gradients with that Sylvester solve as the preconditioner (one
+iteration when nothing couples).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from attnid.symmetry.tangent import Gens, TangentMap, group_sum_out, side_names
+from attnid.symmetry.weights import AttentionWeights
+
+
+def _dot(a: Gens, b: Gens, nb: int) -> torch.Tensor:
+    return sum((a[k] * b[k]).sum(dim=tuple(range(nb, a[k].ndim))) for k in a)  # type: ignore[return-value]
+
+
+def _axpy(alpha: torch.Tensor, x: Gens, y: Gens) -> Gens:
+    return {k: y[k] + _bc(alpha, x[k]) * x[k] for k in y}
+
+
+def _bc(alpha: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return alpha.reshape(*alpha.shape, *([1] * (like.ndim - alpha.ndim)))
+
+
+class _Preconditioner:
+    """Exact inverse of the uncoupled Sylvester operators, constrained."""
+
+    def __init__(self, tmap: TangentMap) -> None:
+        self.tmap = tmap
+        w, s = tmap.w, tmap.spec
+        m = s.group_size
+        self.eig: dict[str, tuple[torch.Tensor, ...]] = {}
+        self.diag: dict[str, torch.Tensor] = {}
+        gens = tmap.zeros()
+        if "M" in gens:
+            Wq = w.W_Q.transpose(-1, -2) @ w.W_Q  # [..., H, dk, dk]
+            if w.b_Q is not None:
+                Wq = Wq + w.b_Q.unsqueeze(-1) * w.b_Q.unsqueeze(-2)
+            Gq = Wq.reshape(*Wq.shape[:-3], s.n_kv_heads, m, *Wq.shape[-2:]).sum(-3)
+            Gk = w.W_K.transpose(-1, -2) @ w.W_K
+            if w.b_K is not None:
+                Gk = Gk + w.b_K.unsqueeze(-1) * w.b_K.unsqueeze(-2)
+            self.eig["M"] = (*torch.linalg.eigh(Gq), *torch.linalg.eigh(Gk))
+        if "C" in gens:
+            Gv = w.W_V.transpose(-1, -2) @ w.W_V
+            if w.b_V is not None:
+                Gv = Gv + w.b_V.unsqueeze(-1) * w.b_V.unsqueeze(-2)
+            Go = w.W_O @ w.W_O.transpose(-1, -2)
+            Go = Go.reshape(*Go.shape[:-3], s.n_kv_heads, m, *Go.shape[-2:]).sum(-3)
+            self.eig["C"] = (*torch.linalg.eigh(Gv), *torch.linalg.eigh(Go))
+        if "t" in gens:
+            self.diag["t"] = w.g_Q**2 + w.g_K**2
+        if "s_q" in gens:
+            self.diag["s_q"] = (w.W_Q**2).sum((-1, -2)) + (0 if w.b_Q is None else (w.b_Q**2).sum(-1))
+            self.diag["s_k"] = (w.W_K**2).sum((-1, -2)) + (0 if w.b_K is None else (w.b_K**2).sum(-1))
+        if "beta" in gens and w.b_O is not None:
+            self.diag["beta"] = 1.0 + (group_sum_out(w) ** 2).sum(-1)
+
+    def __call__(self, r: Gens) -> Gens:
+        out = {}
+        for k, v in r.items():
+            if k in self.eig:
+                la, U, mu, V = self.eig[k]
+                X = U.transpose(-1, -2) @ v @ V
+                X = X / (la.unsqueeze(-1) + mu.unsqueeze(-2))
+                out[k] = U @ X @ V.transpose(-1, -2)
+            elif k in self.diag:
+                out[k] = v / self.diag[k]
+            else:
+                out[k] = v
+        return self.tmap.constrain(out)
+
+
+def solve_generators(tmap: TangentMap, delta: dict[str, torch.Tensor], *, tol: float = 1e-13,
+                     max_iter: int = 200) -> tuple[Gens, int]:
+    """Least-squares generators for ``delta`` by preconditioned CG on ``T*T x = T* delta``."""
+    nb = len(tmap.w.batch_shape)
+    apply_normal = lambda x: tmap.adjoint(tmap.apply(x))  # noqa: E731
+    precond = _Preconditioner(tmap)
+    x = tmap.zeros()
+    r = tmap.adjoint(delta)
+    z = precond(r)
+    p = z
+    rz = _dot(r, z, nb)
+    norm0 = rz.abs().clamp_min(torch.finfo(rz.dtype).tiny)
+    it = 0
+    for it in range(1, max_iter + 1):  # noqa: B007
+        Ap = apply_normal(p)
+        pAp = _dot(p, Ap, nb)
+        alpha = torch.where(pAp > 0, rz / pAp.clamp_min(torch.finfo(pAp.dtype).tiny), 0.0)
+        x = _axpy(alpha, p, x)
+        r = _axpy(-alpha, Ap, r)
+        z = precond(r)
+        rz_new = _dot(r, z, nb)
+        if bool((rz_new.abs() <= tol**2 * norm0).all()):
+            break
+        beta = rz_new / rz.clamp_min(torch.finfo(rz.dtype).tiny)
+        p = _axpy(beta, p, z)
+        rz = rz_new
+    return x, it
+
+
+@dataclass(frozen=True)
+class Projection:
+    """An update split into tangent (invisible) and normal (visible) parts, one side."""
+
+    side: str
+    tangent: dict[str, torch.Tensor]  # same names and shapes as the update's side
+    delta: dict[str, torch.Tensor]
+    rho: torch.Tensor  # [..., G]: tangent share of each group's (own-parameter) squared norm
+    rho_layer: torch.Tensor  # [...]: tangent share over the whole side
+    iterations: int
+
+    @property
+    def normal(self) -> dict[str, torch.Tensor]:
+        return {k: self.delta[k] - self.tangent[k] for k in self.delta}
+
+
+def project(w: AttentionWeights, delta: AttentionWeights, side: str, *, near: bool = False,
+            tol: float = 1e-13) -> Projection:
+    """Project ``delta`` (an update at the point ``w``) onto the orbit tangent space of one side.
+
+    >>> import torch
+    >>> from attnid import Attention, AttentionSpec, randomize_
+    >>> layer = randomize_(Attention(AttentionSpec(d_model=8, n_heads=2)).double(), 0)
+    >>> w = AttentionWeights.from_module(layer)
+    >>> step = w.map(torch.randn_like)
+    >>> p = project(w, step, "qk")
+    >>> bool(((p.rho >= 0) & (p.rho <= 1)).all())
+    True
+    """
+    names = side_names(w.spec, side)
+    d = {n: delta[n] for n in names}
+    tmap = TangentMap(w, side, near)
+    gens, iters = solve_generators(tmap, d, tol=tol)
+    raw = tmap.apply(gens)
+    tangent = {n: raw.get(n, torch.zeros_like(d[n])) for n in names}
+    nb = len(w.batch_shape)
+    num = _group_sq(tangent, w, side)
+    den = _group_sq(d, w, side)
+    rho = num / den.clamp_min(torch.finfo(den.dtype).tiny)
+    tot_t = sum((t**2).sum(dim=tuple(range(nb, t.ndim))) for t in tangent.values())
+    tot_d = sum((t**2).sum(dim=tuple(range(nb, t.ndim))) for t in d.values())
+    rho_layer = tot_t / torch.as_tensor(tot_d).clamp_min(torch.finfo(w.W_Q.dtype).tiny)
+    return Projection(side, tangent, d, rho, rho_layer, iters)
+
+
+def _group_sq(t: dict[str, torch.Tensor], w: AttentionWeights, side: str) -> torch.Tensor:
+    """Squared norm of each group's own parameters: ``[..., G]`` (shared tensors excluded)."""
+    s = w.spec
+    G, m = s.n_kv_heads, s.group_size
+
+    def per_head(x: torch.Tensor, extra: int) -> torch.Tensor:  # [..., H, *] -> [..., G]
+        sq = (x**2).sum(dim=tuple(range(x.ndim - extra, x.ndim)))
+        return sq.reshape(*sq.shape[:-1], G, m).sum(-1)
+
+    def per_group(x: torch.Tensor, extra: int) -> torch.Tensor:
+        return (x**2).sum(dim=tuple(range(x.ndim - extra, x.ndim)))
+
+    if side == "qk":
+        out = per_head(t["W_Q"], 2) + per_group(t["W_K"], 2)
+        if "b_Q" in t:
+            out = out + per_head(t["b_Q"], 1)
+        if "b_K" in t:
+            out = out + per_group(t["b_K"], 1)
+        return out
+    out = per_group(t["W_V"], 2) + per_head(t["W_O"], 2)
+    if "b_V" in t:
+        out = out + per_group(t["b_V"], 1)
+    return out
+
+
+def remove_tangent(w: AttentionWeights, delta: AttentionWeights, *, near: bool = False
+                   ) -> AttentionWeights:
+    """``delta`` minus its tangent part on both sides (the `project` correction)."""
+    out = dict(delta.items())
+    for side in ("qk", "vo"):
+        p = project(w, delta, side, near=near)
+        out.update(p.normal)
+    return delta.replace(**out)

@@ -1,0 +1,255 @@
+"""The orbit's tangent map ``T`` and its adjoint, for QK and VO, every variant.
+
+A tangent direction is parametrised by *generators* (one set per layer):
+
+QK, no QK-norm (per key group g, ``M_g`` in the RoPE commutant, ``kappa_g`` on b_K's
+pass-through dims)::
+
+    dW_Q^h = W_Q^h M_g     db_Q^h = b_Q^h M_g     (h in g)
+    dW_K^g = -W_K^g M_g^T  db_K^g = -b_K^g M_g^T + kappa_g
+
+QK-norm (the GL gauge is broken): gains traded ``dg_Q = g_Q * t``, ``dg_K = -g_K * t``
+(``t`` tied within rotated planes), and, exact only when eps = 0, one scale per query
+head and per key group (``dW_Q^h = s_h W_Q^h``, ...).
+
+VO (per group, ``C_g`` in gl(d_v), ``beta_g`` a value-bias translation)::
+
+    dW_V^g = W_V^g C_g     db_V^g = b_V^g C_g + beta_g
+    dW_O^h = -C_g W_O^h    db_O   = -sum_g beta_g sum_{h in g} W_O^h
+
+Without ``b_O``, ``beta`` is restricted to the null space of ``beta -> sum_g beta_g Wsum_g``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from attnid.rope import plane_dims
+from attnid.spec import AttentionSpec
+from attnid.symmetry.weights import AttentionWeights
+
+Gens = dict[str, torch.Tensor]
+
+
+def project_commutant(M: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
+    """Orthogonal projection of ``[..., dk, dk]`` onto the matrices commuting with every RoPE rotation.
+
+    Pass-through block: free. Each rotated plane: ``a I + b J``. Everything else: 0.
+    """
+    r = spec.rope_dims
+    if r == 0:
+        return M
+    out = torch.zeros_like(M)
+    out[..., r:, r:] = M[..., r:, r:]
+    i1, i2 = plane_dims(spec)
+    a = 0.5 * (M[..., i1, i1] + M[..., i2, i2])
+    b = 0.5 * (M[..., i1, i2] - M[..., i2, i1])
+    out[..., i1, i1] = a
+    out[..., i2, i2] = a
+    out[..., i1, i2] = b
+    out[..., i2, i1] = -b
+    return out
+
+
+def project_tied(t: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
+    """Orthogonal projection of ``[..., dk]`` onto vectors equal on both dims of each plane."""
+    if spec.rope_dims == 0:
+        return t
+    i1, i2 = plane_dims(spec)
+    out = t.clone()
+    mean = 0.5 * (t[..., i1] + t[..., i2])
+    out[..., i1] = mean
+    out[..., i2] = mean
+    return out
+
+
+def pass_mask(spec: AttentionSpec, like: torch.Tensor) -> torch.Tensor:
+    """1 on the pass-through dims of a head, 0 on rotated ones: ``[dk]``."""
+    m = torch.zeros(spec.head_dim, dtype=like.dtype, device=like.device)
+    m[spec.rope_dims :] = 1.0
+    return m
+
+
+@dataclass(frozen=True)
+class TangentMap:
+    """``T`` (generators -> weight directions) and ``T*`` at one point, for QK or VO."""
+
+    w: AttentionWeights
+    side: str  # "qk" or "vo"
+    near: bool = False  # include QK-norm scale directions even when eps > 0
+
+    @property
+    def spec(self) -> AttentionSpec:
+        return self.w.spec
+
+    # generator containers -----------------------------------------------------------
+    def zeros(self) -> Gens:
+        s, w = self.spec, self.w
+        b, dt = w.batch_shape, w.W_Q.dtype
+        z = lambda *shape: torch.zeros(*b, *shape, dtype=dt, device=w.W_Q.device)  # noqa: E731
+        G, dk, dv = s.n_kv_heads, s.head_dim, s.v_head_dim
+        if self.side == "qk":
+            if s.qk_norm == "none":
+                out = {"M": z(G, dk, dk)}
+                if w.b_K is not None and s.pass_dims:
+                    out["kappa"] = z(G, dk)
+                return out
+            out = {"t": z(dk)}
+            if self.near or s.qk_norm_eps == 0.0:
+                out["s_q"] = z(s.n_heads)
+                out["s_k"] = z(G)
+            return out
+        out = {"C": z(G, dv, dv)}
+        if w.b_V is not None:
+            out["beta"] = z(G, dv) if w.b_O is not None else z(self._beta_basis().shape[-1])
+        return out
+
+    def constrain(self, g: Gens) -> Gens:
+        """Orthogonal projection onto the admissible generators."""
+        s = self.spec
+        out = dict(g)
+        if "M" in out:
+            out["M"] = project_commutant(out["M"], s)
+        if "kappa" in out:
+            out["kappa"] = out["kappa"] * pass_mask(s, out["kappa"])
+        if "t" in out:
+            out["t"] = project_tied(out["t"], s)
+        return out
+
+    def _beta_basis(self) -> torch.Tensor:
+        """Without b_O: orthonormal basis ``[..., G*dv, k]`` of admissible value-bias shifts."""
+        s, w = self.spec, self.w
+        wsum = group_sum_out(w)  # [..., G, dv, d]
+        stacked = wsum.reshape(*w.batch_shape, s.n_kv_heads * s.v_head_dim, s.d_model)
+        U, _, _ = torch.linalg.svd(stacked, full_matrices=True)
+        rank = min(stacked.shape[-2], stacked.shape[-1])
+        return U[..., rank:]
+
+    # T and T* -------------------------------------------------------------------------
+    def apply(self, g: Gens) -> dict[str, torch.Tensor]:
+        """Weight directions (only the tensors this side touches)."""
+        s, w = self.spec, self.w
+        m = s.group_size
+        out: dict[str, torch.Tensor] = {}
+        if self.side == "qk":
+            if "M" in g:
+                M = g["M"]  # [..., G, dk, dk]
+                Mh = M.repeat_interleave(m, dim=-3)  # [..., H, dk, dk]
+                out["W_Q"] = w.W_Q @ Mh
+                out["W_K"] = -(w.W_K @ M.transpose(-1, -2))
+                if w.b_Q is not None:
+                    out["b_Q"] = (w.b_Q.unsqueeze(-2) @ Mh).squeeze(-2)
+                if w.b_K is not None:
+                    out["b_K"] = -(w.b_K.unsqueeze(-2) @ M.transpose(-1, -2)).squeeze(-2)
+                    if "kappa" in g:
+                        out["b_K"] = out["b_K"] + g["kappa"]
+                return out
+            t = g["t"]
+            out["g_Q"] = w.g_Q * t
+            out["g_K"] = -w.g_K * t
+            if "s_q" in g:
+                out["W_Q"] = w.W_Q * g["s_q"][..., :, None, None]
+                out["W_K"] = w.W_K * g["s_k"][..., :, None, None]
+                if w.b_Q is not None:
+                    out["b_Q"] = w.b_Q * g["s_q"][..., :, None]
+                if w.b_K is not None:
+                    out["b_K"] = w.b_K * g["s_k"][..., :, None]
+            return out
+        C = g["C"]  # [..., G, dv, dv]
+        Ch = C.repeat_interleave(m, dim=-3)  # [..., H, dv, dv]
+        out["W_V"] = w.W_V @ C
+        out["W_O"] = -(Ch @ w.W_O)
+        if w.b_V is not None:
+            out["b_V"] = (w.b_V.unsqueeze(-2) @ C).squeeze(-2) + self._beta(g)
+            if w.b_O is not None:
+                out["b_O"] = -torch.einsum("...gv,...gvd->...d", self._beta(g), group_sum_out(w))
+        elif w.b_O is not None:
+            out["b_O"] = torch.zeros_like(w.b_O)
+        return out
+
+    def _beta(self, g: Gens) -> torch.Tensor:
+        s = self.spec
+        if self.w.b_O is not None:
+            return g["beta"]
+        flat = (self._beta_basis() @ g["beta"].unsqueeze(-1)).squeeze(-1)
+        return flat.reshape(*self.w.batch_shape, s.n_kv_heads, s.v_head_dim)
+
+    def adjoint(self, d: dict[str, torch.Tensor]) -> Gens:
+        """``T*``: weight directions -> generators (then constrained)."""
+        s, w = self.spec, self.w
+        m = s.group_size
+        g: Gens = {}
+        if self.side == "qk":
+            if s.qk_norm == "none":
+                A = (w.W_Q.transpose(-1, -2) @ d["W_Q"])  # [..., H, dk, dk]
+                if w.b_Q is not None:
+                    A = A + w.b_Q.unsqueeze(-1) * d["b_Q"].unsqueeze(-2)
+                Mg = A.reshape(*A.shape[:-3], s.n_kv_heads, m, *A.shape[-2:]).sum(-3)
+                B = d["W_K"].transpose(-1, -2) @ w.W_K  # [..., G, dk, dk]
+                if w.b_K is not None:
+                    B = B + d["b_K"].unsqueeze(-1) * w.b_K.unsqueeze(-2)
+                g["M"] = Mg - B
+                if "kappa" in self.zeros():
+                    g["kappa"] = d["b_K"]
+                return self.constrain(g)
+            g["t"] = d["g_Q"] * w.g_Q - d["g_K"] * w.g_K
+            if self.near or s.qk_norm_eps == 0.0:
+                g["s_q"] = (d["W_Q"] * w.W_Q).sum((-1, -2))
+                g["s_k"] = (d["W_K"] * w.W_K).sum((-1, -2))
+                if w.b_Q is not None:
+                    g["s_q"] = g["s_q"] + (d["b_Q"] * w.b_Q).sum(-1)
+                if w.b_K is not None:
+                    g["s_k"] = g["s_k"] + (d["b_K"] * w.b_K).sum(-1)
+            return self.constrain(g)
+        A = w.W_V.transpose(-1, -2) @ d["W_V"]  # [..., G, dv, dv]
+        if w.b_V is not None:
+            A = A + w.b_V.unsqueeze(-1) * d["b_V"].unsqueeze(-2)
+        B = d["W_O"] @ w.W_O.transpose(-1, -2)  # [..., H, dv, dv]
+        g["C"] = A - B.reshape(*B.shape[:-3], s.n_kv_heads, m, *B.shape[-2:]).sum(-3)
+        if w.b_V is not None:
+            beta = d["b_V"].clone()
+            if w.b_O is not None:
+                beta = beta - torch.einsum("...d,...gvd->...gv", d["b_O"], group_sum_out(w))
+                g["beta"] = beta
+            else:
+                flat = beta.reshape(*w.batch_shape, -1)
+                g["beta"] = (self._beta_basis().transpose(-1, -2) @ flat.unsqueeze(-1)).squeeze(-1)
+        return g
+
+
+def group_sum_out(w: AttentionWeights) -> torch.Tensor:
+    """``Wsum_g = sum_{h in g} W_O^h``: ``[..., G, dv, d]``."""
+    s = w.spec
+    W = w.W_O
+    return W.reshape(*W.shape[:-3], s.n_kv_heads, s.group_size, *W.shape[-2:]).sum(-3)
+
+
+def side_names(spec: AttentionSpec, side: str) -> tuple[str, ...]:
+    """Parameter names that belong to one side."""
+    names = ("W_Q", "W_K", "b_Q", "b_K", "g_Q", "g_K") if side == "qk" else ("W_V", "W_O", "b_V", "b_O")
+    return tuple(n for n in names if n in spec.param_shapes())
+
+
+def tangent_basis(w: AttentionWeights, *, near: bool = False, rtol: float = 1e-10) -> torch.Tensor:
+    """Orthonormal basis ``[P, k]`` of the orbit tangent space at one layer, in flat order.
+
+    The span of ``T`` applied to every generator coordinate, both sides; for tests and
+    small layers (it is dense).
+    """
+    if w.batch_shape:
+        raise ValueError("tangent_basis takes one layer")
+    cols = []
+    for side in ("qk", "vo"):
+        tmap = TangentMap(w, side, near)
+        zero = tmap.zeros()
+        for key, z in zero.items():
+            for idx in range(z.numel()):
+                e = {k: v.clone() for k, v in zero.items()}
+                e[key].view(-1)[idx] = 1.0
+                d = tmap.apply(tmap.constrain(e))
+                cols.append(w.replace(**{n: d.get(n, torch.zeros_like(t)) for n, t in w.items()}).flat())
+    A = torch.stack(cols, dim=1)
+    U, S, _ = torch.linalg.svd(A, full_matrices=False)
+    return U[:, : int((S[0] * rtol < S).sum())]

@@ -1,0 +1,46 @@
+"""Conserved quantities: constant under gradient flow, drift O(lr^2) for SGD."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from variants import IDS, VARIANTS
+
+from attnid import Attention, AttentionSpec, randomize_
+from attnid.numeric import default_forward, forward_call
+from attnid.symmetry import AttentionWeights, metrics
+
+
+def sgd_step(spec: AttentionSpec, lr: float) -> dict[str, torch.Tensor]:
+    layer = randomize_(Attention(spec).double(), 4)
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(8, 6, spec.d_model, generator=gen, dtype=torch.float64)
+    target = torch.randn(8, 6, spec.d_model, generator=gen, dtype=torch.float64)
+    params = dict(layer.named_parameters())
+    loss = ((forward_call(layer, params, x, default_forward) - target) ** 2).mean()
+    grads = torch.autograd.grad(loss, list(params.values()))
+    w0 = AttentionWeights.from_module(layer)
+    g = AttentionWeights.from_tensors(spec, dict(zip(params, grads, strict=True)))
+    return metrics(w0, w0 - g.scale(lr))
+
+
+@pytest.mark.parametrize("spec", VARIANTS, ids=IDS)
+def test_halving_sgd_step_divides_drift_by_four(spec: AttentionSpec):
+    for side in ("qk", "vo"):
+        d1 = sgd_step(spec, 1e-2)[f"drift_{side}"]
+        d2 = sgd_step(spec, 5e-3)[f"drift_{side}"]
+        mask = d1 > 1e-14
+        assert bool(mask.any()), "no drift at all: vacuous"
+        ratio = d1[mask] / d2[mask]
+        assert torch.allclose(ratio, torch.full_like(ratio, 4.0), rtol=0.05), (side, ratio)
+
+
+def test_metric_shapes_and_definitions():
+    spec = AttentionSpec(d_model=12, n_heads=4, n_kv_heads=2)
+    w = AttentionWeights.from_module(randomize_(Attention(spec).double(), 0))
+    m = metrics(w)
+    assert m["beta_qk"].shape == (2,) and m["tau_vo"].shape == (2,)
+    Wq = w.W_Q.reshape(2, 2, 12, 3)
+    C0 = sum(Wq[0, i].T @ Wq[0, i] for i in range(2)) - w.W_K[0].T @ w.W_K[0]
+    assert float(m["beta_qk"][0]) == pytest.approx(float(C0.norm()), rel=1e-12)
+    assert float(m["tau_qk"][0]) == pytest.approx(float(C0.trace()), rel=1e-12)

@@ -1,0 +1,101 @@
+"""Monitor and Corrector around a real optimizer step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from attnid import Attention, AttentionSpec, AttnidError
+from attnid.optim import Corrector, Monitor, parse_mode
+from attnid.symmetry import AttentionWeights, metrics
+
+
+class TwoLayers(nn.Module):
+    def __init__(self, spec: AttentionSpec) -> None:
+        super().__init__()
+        self.a = Attention(spec, causal=True)
+        self.b = Attention(spec, causal=True)
+        self.head = nn.Linear(spec.d_model, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.b(torch.tanh(self.a(x)))).mean()
+
+
+SPECS = [AttentionSpec(d_model=16, n_heads=4, bias="qkvo"),
+         AttentionSpec(d_model=16, n_heads=4, n_kv_heads=2, bias="qk", rope=1.0)]
+
+
+def _model(spec: AttentionSpec) -> TwoLayers:
+    torch.manual_seed(0)
+    return TwoLayers(spec).double()
+
+
+def _step(model, opt, x):
+    opt.zero_grad()
+    model(x).backward()
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.describe())
+def test_monitor_records_every_metric(spec: AttentionSpec):
+    model = _model(spec)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = Monitor(model)
+    x = torch.randn(4, 8, 16, dtype=torch.float64)
+    _step(model, opt, x)
+    with mon.step():
+        opt.step()
+    last = mon.last
+    for key in ("rho_qk", "rho_vo", "beta_qk", "beta_vo", "tau_qk", "tau_vo", "mu_qk", "drift_qk",
+                "drift_vo", "update_norm", "grad_norm_bq", "grad_norm_bk"):
+        assert key in last and len(last[key]) == 2, key
+    assert len(last["rho_qk"][0]) == spec.n_kv_heads
+    assert len(last["grad_norm_bq"][0]) == spec.n_heads
+    assert max(max(r) for r in last["rho_qk"]) < 1e-9, "SGD moves along no orbit"
+    if not spec.rope:  # the key bias gets no gradient; the query bias does
+        assert max(max(r) for r in last["grad_norm_bk"]) < 1e-12
+        assert min(min(r) for r in last["grad_norm_bq"]) > 1e-8
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.describe())
+def test_project_correction_leaves_no_tangent_motion(spec: AttentionSpec):
+    model = _model(spec)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    mon, fix = Monitor(model), Corrector(model, "project")
+    x = torch.randn(4, 8, 16, dtype=torch.float64)
+    for _ in range(3):
+        _step(model, opt, x)
+        with mon.step(), fix.step():
+            opt.step()
+        assert max(max(r) for r in mon.last["rho_qk"]) < 1e-10
+        assert max(max(r) for r in mon.last["rho_vo"]) < 1e-10
+
+
+def test_rebalance_every_n_is_function_preserving():
+    spec = SPECS[0]
+    model = _model(spec)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    fix = Corrector(model, "rebalance:2")
+    x = torch.randn(4, 8, 16, dtype=torch.float64)
+    for i in range(1, 5):
+        _step(model, opt, x)
+        opt.step()
+        with torch.no_grad():
+            before = float(model(x))
+        with fix.step():
+            pass
+        with torch.no_grad():
+            after = float(model(x))
+        assert abs(after - before) <= 1e-10 * max(1.0, abs(before)), (before, after)
+        beta = max(float(metrics(AttentionWeights.from_module(m))["beta_qk"].max())
+                   for m in (model.a, model.b))
+        if i % 2 == 0:
+            assert beta < 1e-10
+        else:
+            assert beta > 1e-6
+
+
+@pytest.mark.parametrize("mode", ["rebalance:0", "rebalance:x", "sometimes"])
+def test_bad_correction_mode(mode):
+    with pytest.raises(AttnidError):
+        parse_mode(mode)
