@@ -1,0 +1,1 @@
+"""Data shipped with attnid: a public-domain character-level Shakespeare corpus (see README)."""

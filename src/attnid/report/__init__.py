@@ -1,0 +1,1 @@
+"""Reports: figures, tables and the reproduction report."""

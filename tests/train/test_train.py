@@ -1,0 +1,132 @@
+"""Training: data, model variants, the loop's files, resume, Ctrl-C, corrections, DDP, experiment."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnid.cli import main
+from attnid.train import data as data_mod
+from attnid.train.data import SHA256, corpus, shakespeare
+from attnid.train.loop import TrainConfig, train
+from attnid.train.model import GPT, GPTConfig
+
+TINY = GPTConfig(n_layer=1, n_head=4, n_embd=32, block_size=16)
+PER_HEAD = ["rho_qk", "rho_vo", "beta_qk", "beta_vo", "tau_qk", "tau_vo", "mu_qk", "drift_qk",
+            "drift_vo"]
+
+
+def _records(out: Path) -> list[dict]:
+    return [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_corpus_is_shipped_and_batches_are_deterministic():
+    assert hashlib.sha256(corpus().encode()).hexdigest() == SHA256
+    d = shakespeare()
+    assert d.vocab_size == 78 and d.train.numel() == int(0.9 * len(corpus()))
+    a = d.batch("train", 3, 8, torch.Generator().manual_seed(1))
+    b = d.batch("train", 3, 8, torch.Generator().manual_seed(1))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[0][:, 1:], a[1][:, :-1])
+
+
+@pytest.mark.parametrize("overrides", [{}, {"rope": 1.0}, {"n_kv_head": 2, "rope": 0.5},
+                                       {"qk_norm": "head", "attn_bias": "qkvo"}], ids=str)
+def test_model_variants_run(overrides):
+    model = GPT(GPTConfig(**{**TINY.to_dict(), **overrides, "vocab_size": 78}))
+    idx = torch.randint(0, 78, (2, 16))
+    logits, loss = model(idx, idx)
+    assert logits.shape == (2, 16, 78) and torch.isfinite(loss)
+
+
+def test_train_writes_config_and_metrics_schema(tmp_path, capsys):
+    out = tmp_path / "run"
+    code = main(["train", "--out", str(out), "--layers", "1", "--d-model", "32", "--seq-len", "16",
+                 "--steps", "12", "--log-every", "4", "--eval-every", "8", "--optimizer", "sgd",
+                 "--lr", "0.1", "--bias", "qk", "--no-progress"])
+    assert code == 0
+    cfg = TrainConfig.from_dict(json.loads((out / "config.json").read_text()))
+    assert cfg.optimizer == "sgd" and cfg.model.n_layer == 1
+    recs = _records(out)
+    assert [r["step"] for r in recs] == [1, 4, 8, 12]
+    for r in recs:
+        for key in PER_HEAD:
+            assert len(r[key]) == 1 and len(r[key][0]) == 4, key
+        assert {"loss", "update_norm", "grad_norm_bq", "grad_norm_bk"} <= set(r)
+    assert "val_loss" in recs[2] and "val_loss" in recs[3]
+    assert max(max(h) for r in recs for h in r["rho_qk"]) < 1e-6  # plain SGD
+
+
+def test_project_correction_zeroes_rho(tmp_path):
+    cfg = TrainConfig(model=TINY, optimizer="adamw", lr=1e-2, steps=6, log_every=1, correct="project")
+    train(cfg, tmp_path / "p", progress=False)
+    recs = _records(tmp_path / "p")
+    worst = max(max(h) for r in recs for key in ("rho_qk", "rho_vo") for h in r[key])
+    assert worst < 1e-9, f"rho of the applied update {worst:.2e}"
+    cfg2 = TrainConfig(model=TINY, optimizer="adamw", lr=1e-2, steps=6, log_every=1)
+    train(cfg2, tmp_path / "raw", progress=False)
+    assert max(max(h) for r in _records(tmp_path / "raw")[1:] for h in r["rho_qk"]) > 1e-3
+
+
+def test_interrupt_leaves_valid_log_and_resume_continues(tmp_path, monkeypatch):
+    cfg = TrainConfig(model=TINY, steps=20, log_every=2, eval_every=4)
+    out = tmp_path / "r"
+    real = data_mod.CharData.batch
+    calls = {"n": 0}
+
+    def flaky(self, split, *a, **k):
+        if split == "train":
+            calls["n"] += 1
+            if calls["n"] == 11:
+                raise KeyboardInterrupt
+        return real(self, split, *a, **k)
+
+    monkeypatch.setattr(data_mod.CharData, "batch", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, out, progress=False)
+    monkeypatch.setattr(data_mod.CharData, "batch", real)
+    steps = [r["step"] for r in _records(out)]  # every line parses
+    assert steps == [1, 2, 4, 6, 8, 10]
+    train(cfg, out, resume=True, progress=False)
+    steps = [r["step"] for r in _records(out)]
+    assert steps == sorted(set(steps)) and steps[-1] == 20 and 10 in steps
+
+
+def test_resume_without_checkpoint_is_a_clean_error(tmp_path, capsys):
+    code = main(["train", "--out", str(tmp_path / "none"), "--resume", "--no-progress"])
+    assert code == 2 and capsys.readouterr().err.startswith("error: nothing to resume")
+
+
+def test_ddp_two_processes_stay_in_sync(tmp_path):
+    out = tmp_path / "ddp"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", "29517", "-m", "attnid", "train", "--out", str(out), "--layers", "1",
+           "--d-model", "32", "--seq-len", "16", "--steps", "8", "--log-every", "2",
+           "--correct", "rebalance:3", "--no-progress"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["ranks_in_sync"], summary
+    assert [r["step"] for r in _records(out)] == [1, 2, 4, 6, 8]
+
+
+def test_experiment_smoke_writes_every_figure_and_table(tmp_path):
+    from attnid.train.experiment import run_experiment
+
+    result = run_experiment(tmp_path / "exp", scale="smoke")
+    figs = {p.name for p in (tmp_path / "exp" / "figures").iterdir()}
+    assert {"fig2_qk.png", "fig2_vo.png", "fig3_bias_grads.png", "fig4_drift_qk.png",
+            "fig4_drift_vo.png", "fig2_qk_rope.png", "fig2_qk_gqa.png", "fig_project.png"} <= figs
+    for ext in ("csv", "md", "json"):
+        assert (tmp_path / "exp" / "tables" / f"training_summary.{ext}").exists()
+    assert len(result["rows"]) == 17 and all({"claim", "holds", "evidence"} <= set(c)
+                                             for c in result["claims"])
+    sp = json.loads((tmp_path / "exp" / "same_point_drift.json").read_text())
+    assert abs(sp["slope_qk"] - 2) < 0.05 and abs(sp["slope_vo"] - 2) < 0.05
