@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attnid.symmetry.tangent import Gens, TangentMap, group_sum_out, side_names
+from attnid.symmetry.tangent import Gens, TangentMap, group_sum_out, pass_mask, side_names
 from attnid.symmetry.weights import AttentionWeights
 
 
@@ -31,51 +31,75 @@ def _bc(alpha: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 class _Preconditioner:
-    """Exact inverse of the uncoupled Sylvester operators, constrained."""
+    """Symmetric block elimination: Sylvester solve for the gauge, exact solve for translations.
+
+    For generators ``(x, y)`` = (gauge ``M``/``C``, translation ``kappa``/``beta``) the normal
+    operator is ``[[A, B], [B^T, D]]``. With ``S`` the Sylvester operator whose Gram
+    matrices leave out the bias rows that the translation frees, this applies the exact
+    inverse of ``[[S + B D^-1 B^T, B], [B^T, D]]``: symmetric positive definite (so CG
+    stays valid), and the exact inverse whenever the translation frees the whole bias.
+    """
 
     def __init__(self, tmap: TangentMap) -> None:
         self.tmap = tmap
         w, s = tmap.w, tmap.spec
-        m = s.group_size
-        self.eig: dict[str, tuple[torch.Tensor, ...]] = {}
+        self.eig: tuple[torch.Tensor, ...] | None = None
         self.diag: dict[str, torch.Tensor] = {}
+        self.D_chol: torch.Tensor | None = None
         gens = tmap.zeros()
-        if "M" in gens:
-            Wq = w.W_Q.transpose(-1, -2) @ w.W_Q  # [..., H, dk, dk]
-            if w.b_Q is not None:
-                Wq = Wq + w.b_Q.unsqueeze(-1) * w.b_Q.unsqueeze(-2)
-            Gq = Wq.reshape(*Wq.shape[:-3], s.n_kv_heads, m, *Wq.shape[-2:]).sum(-3)
-            Gk = w.W_K.transpose(-1, -2) @ w.W_K
-            if w.b_K is not None:
-                Gk = Gk + w.b_K.unsqueeze(-1) * w.b_K.unsqueeze(-2)
-            self.eig["M"] = (*torch.linalg.eigh(Gq), *torch.linalg.eigh(Gk))
-        if "C" in gens:
-            Gv = w.W_V.transpose(-1, -2) @ w.W_V
-            if w.b_V is not None:
-                Gv = Gv + w.b_V.unsqueeze(-1) * w.b_V.unsqueeze(-2)
-            Go = w.W_O @ w.W_O.transpose(-1, -2)
-            Go = Go.reshape(*Go.shape[:-3], s.n_kv_heads, m, *Go.shape[-2:]).sum(-3)
-            self.eig["C"] = (*torch.linalg.eigh(Gv), *torch.linalg.eigh(Go))
+        self.main = "M" if "M" in gens else ("C" if "C" in gens else None)
+        self.trans = "kappa" if "kappa" in gens else ("beta" if "beta" in gens else None)
+        gr = tmap._grams
+        if self.main == "M":
+            Gk = gr["GK"]
+            if self.trans is not None:  # kappa frees b_K's pass-through dims: keep the rest
+                kept = w.b_K * (1 - pass_mask(s, w.b_K))
+                Gk = (Gk - w.b_K.unsqueeze(-1) * w.b_K.unsqueeze(-2)
+                      + kept.unsqueeze(-1) * kept.unsqueeze(-2))
+            self.eig = (*torch.linalg.eigh(gr["GQ"]), *torch.linalg.eigh(Gk))
+        elif self.main == "C":
+            Gv = gr["GV"]
+            if self.trans is not None and w.b_O is not None:  # beta frees all of b_V
+                Gv = Gv - w.b_V.unsqueeze(-1) * w.b_V.unsqueeze(-2)
+            self.eig = (*torch.linalg.eigh(Gv), *torch.linalg.eigh(gr["GO"]))
+        if self.trans == "beta" and w.b_O is not None:
+            W = group_sum_out(w).reshape(*w.batch_shape, s.n_kv_heads * s.v_head_dim, s.d_model)
+            D = W @ W.transpose(-1, -2) + torch.eye(W.shape[-2], dtype=W.dtype, device=W.device)
+            self.D_chol = torch.linalg.cholesky(D)
         if "t" in gens:
             self.diag["t"] = w.g_Q**2 + w.g_K**2
         if "s_q" in gens:
             self.diag["s_q"] = (w.W_Q**2).sum((-1, -2)) + (0 if w.b_Q is None else (w.b_Q**2).sum(-1))
             self.diag["s_k"] = (w.W_K**2).sum((-1, -2)) + (0 if w.b_K is None else (w.b_K**2).sum(-1))
-        if "beta" in gens and w.b_O is not None:
-            self.diag["beta"] = 1.0 + (group_sum_out(w) ** 2).sum(-1)
+
+    def _sylvester(self, v: torch.Tensor) -> torch.Tensor:
+        la, U, mu, V = self.eig  # type: ignore[misc]
+        X = (U.transpose(-1, -2) @ v @ V) / (la.unsqueeze(-1) + mu.unsqueeze(-2))
+        return U @ X @ V.transpose(-1, -2)
+
+    def _d_inv(self, v: torch.Tensor) -> torch.Tensor:
+        if self.D_chol is None:
+            return v
+        flat = v.reshape(*v.shape[:-2], -1, 1)
+        return torch.cholesky_solve(flat, self.D_chol).reshape(v.shape)
+
+    def _coupling(self, key: str, value: torch.Tensor, want: str) -> torch.Tensor:
+        """One block of the normal operator: ``(T*T restricted to key -> want) value``."""
+        z = self.tmap.zeros()
+        z[key] = value
+        return self.tmap.normal(z)[want]
 
     def __call__(self, r: Gens) -> Gens:
-        out = {}
-        for k, v in r.items():
-            if k in self.eig:
-                la, U, mu, V = self.eig[k]
-                X = U.transpose(-1, -2) @ v @ V
-                X = X / (la.unsqueeze(-1) + mu.unsqueeze(-2))
-                out[k] = U @ X @ V.transpose(-1, -2)
-            elif k in self.diag:
-                out[k] = v / self.diag[k]
-            else:
-                out[k] = v
+        out = {k: (v / self.diag[k] if k in self.diag else v) for k, v in r.items()}
+        if self.main is not None:
+            rm = r[self.main]
+            if self.trans is not None:
+                y = self._d_inv(r[self.trans])
+                rm = rm - self._coupling(self.trans, y, self.main)
+            out[self.main] = self.tmap.constrain({self.main: self._sylvester(rm)})[self.main]
+            if self.trans is not None:
+                back = self._coupling(self.main, out[self.main], self.trans)
+                out[self.trans] = self._d_inv(r[self.trans] - back)
         return self.tmap.constrain(out)
 
 
@@ -83,7 +107,7 @@ def solve_generators(tmap: TangentMap, delta: dict[str, torch.Tensor], *, tol: f
                      max_iter: int = 200) -> tuple[Gens, int]:
     """Least-squares generators for ``delta`` by preconditioned CG on ``T*T x = T* delta``."""
     nb = len(tmap.w.batch_shape)
-    apply_normal = lambda x: tmap.adjoint(tmap.apply(x))  # noqa: E731
+    apply_normal = tmap.normal
     precond = _Preconditioner(tmap)
     x = tmap.zeros()
     r = tmap.adjoint(delta)

@@ -23,6 +23,7 @@ Without ``b_O``, ``beta`` is restricted to the null space of ``beta -> sum_g bet
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -118,7 +119,14 @@ class TangentMap:
             out["t"] = project_tied(out["t"], s)
         return out
 
+    @cached_property
+    def _beta_basis_cached(self) -> torch.Tensor:
+        return self._beta_basis_compute()
+
     def _beta_basis(self) -> torch.Tensor:
+        return self._beta_basis_cached
+
+    def _beta_basis_compute(self) -> torch.Tensor:
         """Without b_O: orthonormal basis ``[..., G*dv, k]`` of admissible value-bias shifts."""
         s, w = self.spec, self.w
         wsum = group_sum_out(w)  # [..., G, dv, d]
@@ -168,6 +176,65 @@ class TangentMap:
         elif w.b_O is not None:
             out["b_O"] = torch.zeros_like(w.b_O)
         return out
+
+    # T*T through small Gram matrices (no pass over the big weights) ------------------
+    @cached_property
+    def _grams(self) -> dict[str, torch.Tensor]:
+        s, w = self.spec, self.w
+        m = s.group_size
+        out: dict[str, torch.Tensor] = {}
+        if self.side == "qk" and s.qk_norm == "none":
+            gq = w.W_Q.transpose(-1, -2) @ w.W_Q
+            if w.b_Q is not None:
+                gq = gq + w.b_Q.unsqueeze(-1) * w.b_Q.unsqueeze(-2)
+            out["GQ"] = gq.reshape(*gq.shape[:-3], s.n_kv_heads, m, *gq.shape[-2:]).sum(-3)
+            gk = w.W_K.transpose(-1, -2) @ w.W_K
+            if w.b_K is not None:
+                gk = gk + w.b_K.unsqueeze(-1) * w.b_K.unsqueeze(-2)
+            out["GK"] = gk
+        elif self.side == "qk":
+            out["sq"] = (w.W_Q**2).sum((-1, -2)) + (0 if w.b_Q is None else (w.b_Q**2).sum(-1))
+            out["sk"] = (w.W_K**2).sum((-1, -2)) + (0 if w.b_K is None else (w.b_K**2).sum(-1))
+        else:
+            gv = w.W_V.transpose(-1, -2) @ w.W_V
+            if w.b_V is not None:
+                gv = gv + w.b_V.unsqueeze(-1) * w.b_V.unsqueeze(-2)
+            out["GV"] = gv
+            go = w.W_O @ w.W_O.transpose(-1, -2)
+            out["GO"] = go.reshape(*go.shape[:-3], s.n_kv_heads, m, *go.shape[-2:]).sum(-3)
+            if w.b_V is not None and w.b_O is not None:
+                W = group_sum_out(w)  # [..., G, dv, d]
+                out["WW"] = torch.einsum("...gvd,...hud->...gvhu", W, W)  # [..., G, dv, G, dv]
+        return out
+
+    def normal(self, g: Gens) -> Gens:
+        """``T* T g`` (constrained), from Gram matrices only."""
+        s, w, gr = self.spec, self.w, self._grams
+        out: Gens = {}
+        if "M" in g:
+            M = g["M"]
+            out["M"] = gr["GQ"] @ M + M @ gr["GK"]
+            if "kappa" in g:
+                out["M"] = out["M"] - g["kappa"].unsqueeze(-1) * w.b_K.unsqueeze(-2)
+                bkM = (w.b_K.unsqueeze(-2) @ M.transpose(-1, -2)).squeeze(-2)
+                out["kappa"] = g["kappa"] - bkM
+        if "t" in g:
+            out["t"] = (w.g_Q**2 + w.g_K**2) * g["t"]
+        if "s_q" in g:
+            out["s_q"], out["s_k"] = gr["sq"] * g["s_q"], gr["sk"] * g["s_k"]
+        if "C" in g:
+            C = g["C"]
+            out["C"] = gr["GV"] @ C + C @ gr["GO"]
+            if "beta" in g:
+                beta = self._beta(g)  # [..., G, dv]
+                out["C"] = out["C"] + w.b_V.unsqueeze(-1) * beta.unsqueeze(-2)
+                back = (w.b_V.unsqueeze(-2) @ C).squeeze(-2) + beta  # on b_V
+                if w.b_O is not None:
+                    out["beta"] = back + torch.einsum("...gvhu,...hu->...gv", gr["WW"], beta)
+                else:
+                    flat = back.reshape(*w.batch_shape, -1, 1)
+                    out["beta"] = (self._beta_basis().transpose(-1, -2) @ flat).squeeze(-1)
+        return self.constrain(out)
 
     def _beta(self, g: Gens) -> torch.Tensor:
         s = self.spec

@@ -1,0 +1,141 @@
+"""Symmetry toolkit speed: batched metrics/projection/rebalancing against a per-head Python loop.
+
+    python benchmarks/symmetry.py [--quick]
+
+The loop is the approach of the paper's published scripts: one head at a time, its own
+eigendecompositions and small matrix products. Both run in float64 on the same weights
+and the results are checked to agree. Also: the cost of measuring every step as a share of
+one AdamW training step of that model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from attnid import AttentionSpec
+from attnid.optim import Monitor
+from attnid.symmetry import AttentionWeights, metrics, project, rebalance
+from attnid.train.model import GPT, GPTConfig
+
+
+def random_weights(spec: AttentionSpec, layers: int, seed: int) -> AttentionWeights:
+    gen = torch.Generator().manual_seed(seed)
+    return AttentionWeights(spec, **{
+        n: 0.02 * torch.randn(layers, *shape, generator=gen, dtype=torch.float64)
+        for n, shape in spec.param_shapes().items()})
+
+
+def loop_metrics(w0: AttentionWeights, w1: AttentionWeights) -> dict[str, list]:
+    """Per layer, per head: Sylvester projection (rho), beta, tau, mu, drift; QK and VO."""
+    out: dict[str, list] = {k: [] for k in ("rho_qk", "rho_vo", "beta_qk", "beta_vo")}
+    L, H = w0.W_Q.shape[0], w0.spec.n_heads
+    for layer in range(L):
+        for h in range(H):
+            for side, A0, B0, A1, B1 in (
+                ("qk", w0.W_Q[layer, h], w0.W_K[layer, h], w1.W_Q[layer, h], w1.W_K[layer, h]),
+                ("vo", w0.W_V[layer, h], w0.W_O[layer, h].T, w1.W_V[layer, h], w1.W_O[layer, h].T),
+            ):
+                dA, dB = A1 - A0, B1 - B0
+                Ga, Gb = A0.T @ A0, B0.T @ B0
+                la, U = torch.linalg.eigh(Ga)
+                lb, V = torch.linalg.eigh(Gb)
+                R = A0.T @ dA - dB.T @ B0
+                M = U @ ((U.T @ R @ V) / (la[:, None] + lb[None, :])) @ V.T
+                tA, tB = A0 @ M, -B0 @ M.T
+                rho = (tA.square().sum() + tB.square().sum()) / (dA.square().sum() + dB.square().sum())
+                C0, C1 = Ga - Gb, A1.T @ A1 - B1.T @ B1
+                out[f"rho_{side}"].append(float(rho))
+                out[f"beta_{side}"].append(float(C1.norm()))
+                _ = float(C1.trace()), float(torch.linalg.eigvalsh(A1.T @ A1)[0] +
+                                              torch.linalg.eigvalsh(B1.T @ B1)[0]), float((C1 - C0).norm())
+    return out
+
+
+def loop_rebalance(w: AttentionWeights) -> list[torch.Tensor]:
+    outs = []
+    for layer in range(w.W_Q.shape[0]):
+        for h in range(w.spec.n_heads):
+            for A, B in ((w.W_Q[layer, h], w.W_K[layer, h]), (w.W_V[layer, h], w.W_O[layer, h].T)):
+                Qa, Ra = torch.linalg.qr(A)
+                Qb, Rb = torch.linalg.qr(B)
+                U, s, Vh = torch.linalg.svd(Ra @ Rb.T)
+                A2, B2 = Qa @ U * s.sqrt(), Qb @ Vh.T * s.sqrt()
+                U2, _, Vh2 = torch.linalg.svd(A2.T @ A + B2.T @ B)
+                outs.append(A2 @ U2 @ Vh2)
+    return outs
+
+
+def batched_metrics(w0: AttentionWeights, w1: AttentionWeights) -> dict[str, torch.Tensor]:
+    d = w1 - w0
+    m = metrics(w0, w1)
+    m["rho_qk"] = project(w0, d, "qk").rho
+    m["rho_vo"] = project(w0, d, "vo").rho
+    return m
+
+
+def best_of(fn, n: int = 3) -> float:
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def training_share(cfg: GPTConfig, batch: int, steps: int = 2) -> tuple[float, float]:
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    mon = Monitor(model)
+    idx = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size))
+
+    def step(measure: bool) -> None:
+        _, loss = model(idx, idx)
+        opt.zero_grad()
+        loss.backward()
+        if measure:
+            with mon.step():
+                opt.step()
+        else:
+            opt.step()
+
+    step(False)
+    t_plain = best_of(lambda: step(False), steps)
+    t_mon = best_of(lambda: step(True), steps)
+    return t_plain, t_mon - t_plain
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="skip the GPT-2-small training-step share")
+    args = ap.parse_args()
+    shapes = [("nanoGPT 6L 6H d384", 6, AttentionSpec(d_model=384, n_heads=6), 64),
+              ("GPT-2 small 12L 12H d768", 12, AttentionSpec(d_model=768, n_heads=12), 8)]
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}")
+    for label, L, spec, batch in shapes:
+        w0 = random_weights(spec, L, 0)
+        w1 = w0 + random_weights(spec, L, 1).scale(0.01)
+        ref, got = loop_metrics(w0, w1), batched_metrics(w0, w1)
+        err = max(abs(a - b) for a, b in zip(ref["rho_qk"], got["rho_qk"].reshape(-1).tolist(), strict=True))
+        assert err < 1e-9, f"batched and loop rho disagree by {err:.2e}"
+        t_loop = best_of(lambda w0=w0, w1=w1: loop_metrics(w0, w1))
+        t_batch = best_of(lambda w0=w0, w1=w1: batched_metrics(w0, w1))
+        r_loop = best_of(lambda w0=w0: loop_rebalance(w0))
+        r_batch = best_of(lambda w0=w0: rebalance(w0))
+        print(f"{label}: metrics+projection loop {t_loop * 1e3:.1f} ms, batched {t_batch * 1e3:.1f} ms, "
+              f"speed-up {t_loop / t_batch:.2f}x; rebalance loop {r_loop * 1e3:.1f} ms, batched "
+              f"{r_batch * 1e3:.1f} ms, speed-up {r_loop / r_batch:.2f}x (max rho diff {err:.1e})")
+        if args.quick and L == 12:
+            continue
+        cfg = GPTConfig(vocab_size=78 if L == 6 else 50257, n_layer=L, n_head=spec.n_heads,
+                        n_embd=spec.d_model, block_size=256, attn_bias="qkvo")
+        t_step, t_measure = training_share(cfg, batch)
+        print(f"  measuring every step: {t_measure * 1e3:.0f} ms on a {t_step:.2f} s AdamW step "
+              f"(batch {batch}x256) = {100 * t_measure / t_step:.1f}% of the step")
+
+
+if __name__ == "__main__":
+    main()

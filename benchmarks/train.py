@@ -1,0 +1,86 @@
+"""Training-step speed: the small GPT on attnid.Attention against the same model written plainly.
+
+    python benchmarks/train.py
+
+Baseline: nanoGPT's CausalSelfAttention (one fused c_attn Linear, scaled_dot_product_attention,
+one c_proj Linear) in an otherwise identical model, same sizes, same run. Also the share of a
+step spent on orbit metrics when logging every step.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attnid.optim import Monitor
+from attnid.train.model import GPT, GPTConfig
+
+
+class PlainAttention(nn.Module):
+    def __init__(self, d: int, H: int) -> None:
+        super().__init__()
+        self.H = H
+        self.c_attn = nn.Linear(d, 3 * d)
+        self.c_proj = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, d = x.shape
+        q, k, v = self.c_attn(x).split(d, dim=2)
+        q, k, v = (t.view(B, T, self.H, d // self.H).transpose(1, 2) for t in (q, k, v))  # (B, H, T, hs)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, d))
+
+
+def plain_gpt(cfg: GPTConfig) -> GPT:
+    model = GPT(cfg)
+    for block in model.blocks:
+        block.attn = PlainAttention(cfg.n_embd, cfg.n_head)
+    return model
+
+
+def time_steps(model: nn.Module, idx: torch.Tensor, n: int, monitor: Monitor | None = None) -> float:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step() -> None:
+        _, loss = model(idx, idx)
+        opt.zero_grad()
+        loss.backward()
+        if monitor is None:
+            opt.step()
+        else:
+            with monitor.step():
+                opt.step()
+
+    step()
+    best = float("inf")
+    for _ in range(n):
+        t = time.perf_counter()
+        step()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def main() -> None:
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}")
+    for label, kw, batch in (
+        ("tiny (experiment default)", dict(n_layer=2, n_head=4, n_embd=64, block_size=64), 32),
+        ("nanoGPT Shakespeare-char", dict(n_layer=6, n_head=6, n_embd=384, block_size=256), 64),
+    ):
+        cfg = GPTConfig(vocab_size=78, attn_bias="qkvo", **kw)
+        torch.manual_seed(0)
+        idx = torch.randint(0, 78, (batch, cfg.block_size))
+        n = 10 if kw["n_embd"] < 128 else 3
+        t_plain = time_steps(plain_gpt(cfg), idx, n)
+        ours = GPT(cfg)
+        t_ours = time_steps(ours, idx, n)
+        t_mon = time_steps(ours, idx, n, Monitor(ours))
+        print(f"{label}, batch {batch}: plain SDPA {t_plain * 1e3:.1f} ms/step, attnid "
+              f"{t_ours * 1e3:.1f} ms/step, ratio {t_ours / t_plain:.2f}x; metrics every step "
+              f"+{(t_mon - t_ours) * 1e3:.1f} ms = {100 * (t_mon - t_ours) / t_ours:.1f}% of a step")
+
+
+if __name__ == "__main__":
+    main()
