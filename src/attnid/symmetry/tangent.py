@@ -209,7 +209,7 @@ class TangentMap:
 
     def normal(self, g: Gens) -> Gens:
         """``T* T g`` (constrained), from Gram matrices only."""
-        s, w, gr = self.spec, self.w, self._grams
+        w, gr = self.w, self._grams
         out: Gens = {}
         if "M" in g:
             M = g["M"]
