@@ -187,6 +187,105 @@ def experiment_paper(
     typer.echo(f"figures and tables in {out}")
 
 
+@app.command("report")
+def report_cmd(
+    model: Annotated[str | None, typer.Argument(help="config.json, model directory, or bundled name.")] = None,
+    all_models: Annotated[bool, typer.Option("--all", help="Compare every bundled model.")] = False,
+    json_out: Json = False,
+) -> None:
+    """Identification counts for a real model: per layer, in total, and the breakdown."""
+    from attnid.report.models import all_reports, model_report, summary_row
+
+    if all_models:
+        rows = [summary_row(r) for r in all_reports()]
+        if json_out:
+            emit_json(rows)
+        else:
+            _print_rows(rows, "attention identification across model families")
+        return
+    if model is None:
+        raise AttnidError("give a MODEL (config.json, model directory or bundled name) or --all")
+    rep = model_report(model)
+    if json_out:
+        emit_json(rep)
+        return
+    from rich.console import Console
+
+    console = Console(width=110)
+    a = rep["attention"]
+    mp = rep["model_params"]
+    console.print(f"[bold]{rep['model']}[/bold]  ({rep['architecture']}, {rep['n_layers']} layers"
+                  + (f", {mp:,} parameters in the model" if mp else "") + ")")
+    print_count_dict(rep["layers"][0], f"one layer: {_describe(rep['spec'])}")
+    console.print(f"all {rep['n_layers']} layers: attention parameters {a['total']:,}, unidentified "
+                  f"{a['unidentified']:,} (ratio {a['ratio']:.5f}), near-unidentified "
+                  f"{a['near_unidentified']:,}")
+    console.print(f"QK-unidentified per layer: {rep['qk_unidentified_per_layer']:,} "
+                  f"(with MHA instead: {rep['qk_unidentified_per_layer_if_mha']:,}); counted as in "
+                  f"the paper, without RoPE: {rep['qk_unidentified_per_layer_without_rope']:,} "
+                  f"(MHA: {rep['qk_unidentified_per_layer_without_rope_if_mha']:,})")
+
+
+@app.command("canonicalize")
+def canonicalize_cmd(
+    in_dir: Annotated[str, typer.Argument(help="Model directory (config.json + safetensors).")],
+    out_dir: Annotated[str, typer.Argument(help="Where the canonical checkpoint goes.")],
+    drop_key_bias: Annotated[bool | None, typer.Option(
+        "--drop-key-bias/--keep-key-bias", help="Zero the unidentified key bias.")] = None,
+    fold_value_bias: Annotated[bool | None, typer.Option(
+        "--fold-value-bias/--keep-value-bias", help="Fold b_V into b_O.")] = None,
+    balance: Annotated[bool | None, typer.Option(
+        "--balance/--no-balance", help="Balance QK and VO per head/group.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace a non-empty OUT_DIR.")] = False,
+    json_out: Json = False,
+) -> None:
+    """Function-preserving surgery on a checkpoint, verified before anything is written.
+
+    Default: every operation that applies to the architecture.
+    """
+    from attnid.surgery import canonicalize
+
+    result = canonicalize(in_dir, out_dir, drop_key_bias_=drop_key_bias,
+                          fold_value_bias_=fold_value_bias, balance=balance, force=force)
+    if json_out:
+        emit_json(result)
+    else:
+        e2e = result["end_to_end_rel_diff"]
+        typer.echo(
+            f"{result['architecture']}: {result['layers']} layers -> {out_dir}\n"
+            f"  key bias dropped in {result['key_bias_dropped']} layers, value bias folded in "
+            f"{result['value_bias_folded']}, {result['heads_balanced']} heads balanced\n"
+            f"  per-layer check (float64): max abs diff {result['max_abs_diff']:.2e}, max rel diff "
+            f"{result['max_rel_diff']:.2e}; end to end: "
+            + ("skipped (large checkpoint)" if e2e is None else f"{e2e:.2e}")
+            + f"; {result['seconds']:.1f}s")
+
+
+def _describe(spec: dict) -> str:
+    return AttentionSpec.from_dict(spec).describe()
+
+
+def _print_rows(rows: list[dict], title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    keys = list(rows[0])
+    for k in keys:
+        table.add_column(k, justify="left" if k in ("model", "family", "bias") else "right")
+    for r in rows:
+        table.add_row(*[f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v)
+                        for v in (r[k] for k in keys)])
+    Console(width=250).print(table)
+
+
+def print_count_dict(d: dict, title: str) -> None:
+    from attnid.theory import Component, Count
+
+    spec = AttentionSpec.from_dict(d["spec"])
+    print_count(Count(spec, {k: Component(**v) for k, v in d["components"].items()}), title)
+
+
 def emit_json(obj: Any) -> None:
     typer.echo(json.dumps(obj, indent=2, default=_json_default, allow_nan=False))
 
@@ -197,11 +296,11 @@ def _json_default(o: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(o).__name__}")
 
 
-def print_count(result: Count) -> None:
+def print_count(result: Count, title: str | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"attention layer: {result.spec.describe()}")
+    table = Table(title=title or f"attention layer: {result.spec.describe()}")
     table.add_column("component")
     table.add_column("params", justify="right")
     table.add_column("unidentified", justify="right")

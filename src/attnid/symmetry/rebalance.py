@@ -26,9 +26,14 @@ from attnid.symmetry.weights import AttentionWeights
 Mode = Literal["auto", "gl", "commutant"]
 
 
-def balance_pair(A: torch.Tensor, B: torch.Tensor, *, align: bool = True
+def balance_pair(A: torch.Tensor, B: torch.Tensor, *, align: bool = True,
+                 apply_to: tuple[torch.Tensor, torch.Tensor] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Balanced ``(A S, B S^{-T})`` for ``A [..., n1, k]``, ``B [..., n2, k]`` with ``k <= n1, n2``."""
+    """Balanced ``(A S, B S^{-T})`` for ``A [..., n1, k]``, ``B [..., n2, k]`` with ``k <= n1, n2``.
+
+    ``S`` is chosen from ``(A, B)``; ``apply_to`` (e.g. the same rows with bias rows
+    appended) receives the same ``S``, so the move stays on the orbit.
+    """
     k = A.shape[-1]
     if A.shape[-2] < k or B.shape[-2] < k:
         raise AttnidError("rebalancing needs head_dim <= the rows it acts on (head_dim <= d_model)")
@@ -36,12 +41,14 @@ def balance_pair(A: torch.Tensor, B: torch.Tensor, *, align: bool = True
     Qb, Rb = torch.linalg.qr(B)
     U, sig, Vh = torch.linalg.svd(Ra @ Rb.transpose(-1, -2))
     root = sig.sqrt().unsqueeze(-2)  # [..., 1, k]
-    A2 = Qa @ U * root
-    B2 = Qb @ Vh.transpose(-1, -2) * root
+    S = torch.linalg.solve_triangular(Ra, U * root, upper=True)  # R_a^{-1} U Sigma^{1/2}
+    S_invT = Ra.transpose(-1, -2) @ U / root  # R_a^T U Sigma^{-1/2}
     if align:
+        A2, B2 = Qa @ U * root, Qb @ Vh.transpose(-1, -2) * root
         O = polar(A2.transpose(-1, -2) @ A + B2.transpose(-1, -2) @ B)  # [..., k, k]
-        A2, B2 = A2 @ O, B2 @ O
-    return A2, B2
+        S, S_invT = S @ O, S_invT @ O
+    X, Y = (A, B) if apply_to is None else apply_to
+    return X @ S, Y @ S_invT
 
 
 def polar(M: torch.Tensor) -> torch.Tensor:
@@ -90,7 +97,10 @@ def fold_value_bias(w: AttentionWeights) -> AttentionWeights:
     return w.replace(b_V=torch.zeros_like(w.b_V), b_O=b_O)
 
 
-def rebalance_qk(w: AttentionWeights, *, mode: Mode = "auto", align: bool = True) -> AttentionWeights:
+def rebalance_qk(w: AttentionWeights, *, mode: Mode = "auto", align: bool = True,
+                 bias_rows: bool = True) -> AttentionWeights:
+    """Balance QK. ``bias_rows``: balance the bias-augmented Grams (the conserved quantity of
+    training) or, when False, the weights alone (``W_Q^T W_Q = W_K^T W_K``, for checkpoints)."""
     s = w.spec
     if s.qk_norm != "none":
         return _balance_gains(w)
@@ -99,14 +109,18 @@ def rebalance_qk(w: AttentionWeights, *, mode: Mode = "auto", align: bool = True
             "a full GL rebalance would change a RoPE layer's function; use mode='commutant'")
     w = drop_key_bias(w)
     A, B = _rows_qk(w)
+    Aw, Bw = (A, B) if bias_rows else _rows_qk(w.replace(
+        b_Q=None if w.b_Q is None else torch.zeros_like(w.b_Q),
+        b_K=None if w.b_K is None else torch.zeros_like(w.b_K)))
     r = s.rope_dims
     A2, B2 = A.clone(), B.clone()
     if s.pass_dims:
-        A2[..., r:], B2[..., r:] = balance_pair(A[..., r:], B[..., r:], align=align)
+        A2[..., r:], B2[..., r:] = balance_pair(Aw[..., r:], Bw[..., r:], align=align,
+                                                apply_to=(A[..., r:], B[..., r:]))
     if r:
         i1, i2 = plane_dims(s)
-        na = (A[..., i1] ** 2 + A[..., i2] ** 2).sum(-2).sqrt()  # [..., G, r/2]
-        nb = (B[..., i1] ** 2 + B[..., i2] ** 2).sum(-2).sqrt()
+        na = (Aw[..., i1] ** 2 + Aw[..., i2] ** 2).sum(-2).sqrt()  # [..., G, r/2]
+        nb = (Bw[..., i1] ** 2 + Bw[..., i2] ** 2).sum(-2).sqrt()
         alpha = (nb / na).sqrt().unsqueeze(-2)
         A2[..., i1], A2[..., i2] = A[..., i1] * alpha, A[..., i2] * alpha
         B2[..., i1], B2[..., i2] = B[..., i1] / alpha, B[..., i2] / alpha
@@ -126,15 +140,17 @@ def _balance_gains(w: AttentionWeights) -> AttentionWeights:
     return w.replace(g_Q=w.g_Q * alpha, g_K=w.g_K / alpha)
 
 
-def rebalance_vo(w: AttentionWeights, *, align: bool = True, fold: bool = True) -> AttentionWeights:
+def rebalance_vo(w: AttentionWeights, *, align: bool = True, fold: bool = True,
+                 bias_rows: bool = True) -> AttentionWeights:
     s = w.spec
     if fold:
         w = fold_value_bias(w)
     A = w.W_V if w.b_V is None else torch.cat([w.W_V, w.b_V.unsqueeze(-2)], dim=-2)
+    Aw = A if bias_rows or w.b_V is None else torch.cat([w.W_V, torch.zeros_like(w.b_V).unsqueeze(-2)], -2)
     G, m = s.n_kv_heads, s.group_size
     Wo_t = w.W_O.transpose(-1, -2)  # [..., H, d, dv]
     B = Wo_t.reshape(*Wo_t.shape[:-3], G, m * s.d_model, s.v_head_dim)
-    A2, B2 = balance_pair(A, B, align=align)
+    A2, B2 = balance_pair(Aw, B, align=align, apply_to=(A, B))
     new = {"W_V": A2[..., : s.d_model, :],
            "W_O": B2.reshape(*Wo_t.shape).transpose(-1, -2)}
     if w.b_V is not None:
@@ -143,7 +159,7 @@ def rebalance_vo(w: AttentionWeights, *, align: bool = True, fold: bool = True) 
 
 
 def rebalance(w: AttentionWeights, *, mode: Mode = "auto", align: bool = True,
-              fold: bool = True) -> AttentionWeights:
+              fold: bool = True, bias_rows: bool = True) -> AttentionWeights:
     """Both sides to the balanced point (the function is unchanged).
 
     >>> import torch
@@ -154,4 +170,5 @@ def rebalance(w: AttentionWeights, *, mode: Mode = "auto", align: bool = True,
     >>> bool(metrics(w)["beta_qk"].max() < 1e-12)
     True
     """
-    return rebalance_vo(rebalance_qk(w, mode=mode, align=align), align=align, fold=fold)
+    w = rebalance_qk(w, mode=mode, align=align, bias_rows=bias_rows)
+    return rebalance_vo(w, align=align, fold=fold, bias_rows=bias_rows)

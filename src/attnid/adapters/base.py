@@ -1,0 +1,210 @@
+"""Adapters: a Hugging Face config -> per-layer `AttentionSpec`s, and a checkpoint's tensors
+<-> the canonical per-head layout (`AttentionWeights`).
+
+One small file per model family subclasses `Adapter` and registers itself under the
+Hugging Face architecture names it serves (`attnid.adapters.registry`). Shared layouts
+(separate ``q/k/v/o`` Linear projections) live here once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from attnid.errors import AttnidError
+from attnid.spec import AttentionSpec
+from attnid.symmetry.weights import AttentionWeights
+
+Config = dict[str, Any]
+
+
+def cfg(config: Config, *keys: str, default: Any = None) -> Any:
+    """First present key (configs name the same number differently across families/versions)."""
+    for k in keys:
+        if k in config and config[k] is not None:
+            return config[k]
+    return default
+
+
+def rope_param(config: Config, key: str, default: Any = None) -> Any:
+    """A RoPE setting from transformers 5's ``rope_parameters`` or the older top-level keys."""
+    rp = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if isinstance(rp, dict) and rp.get(key) is not None:
+        return rp[key]
+    return config.get(key, default)
+
+
+# ---- layout helpers: nn.Linear weights are [out, in] ----------------------------------
+def split_heads_in(weight: torch.Tensor, n: int) -> torch.Tensor:
+    """Linear ``[n*k, d]`` -> per-head ``[n, d, k]``."""
+    out, d = weight.shape
+    return weight.reshape(n, out // n, d).transpose(1, 2)
+
+
+def merge_heads_in(w: torch.Tensor) -> torch.Tensor:
+    """Per-head ``[n, d, k]`` -> Linear ``[n*k, d]``."""
+    n, d, k = w.shape
+    return w.transpose(1, 2).reshape(n * k, d)
+
+
+def split_heads_out(weight: torch.Tensor, n: int) -> torch.Tensor:
+    """Output Linear ``[d, n*k]`` -> per-head ``[n, k, d]``."""
+    d, nk = weight.shape
+    return weight.T.reshape(n, nk // n, d)
+
+
+def merge_heads_out(w: torch.Tensor) -> torch.Tensor:
+    n, k, d = w.shape
+    return w.reshape(n * k, d).T
+
+
+class Adapter:
+    """Base adapter. Subclasses set ``architectures`` and override what differs."""
+
+    architectures: ClassVar[tuple[str, ...]] = ()
+    model_type: ClassVar[str] = ""
+    family: ClassVar[str] = ""
+    # tensor-name templates inside one layer, relative to ``layer_prefix``
+    q: ClassVar[str] = "self_attn.q_proj"
+    k: ClassVar[str] = "self_attn.k_proj"
+    v: ClassVar[str] = "self_attn.v_proj"
+    o: ClassVar[str] = "self_attn.o_proj"
+    layer_prefix: ClassVar[str] = "layers.{i}."
+    working_precision: ClassVar[str] = "float64"  # "float32" where kernels downcast
+
+    # ---- config -> specs ------------------------------------------------------------
+    def n_layers(self, c: Config) -> int:
+        return int(cfg(c, "num_hidden_layers", "n_layer", "num_layers"))
+
+    def spec(self, c: Config) -> AttentionSpec:
+        d = int(cfg(c, "hidden_size", "n_embd", "d_model"))
+        H = int(cfg(c, "num_attention_heads", "n_head"))
+        return AttentionSpec(
+            d_model=d, n_heads=H, n_kv_heads=int(cfg(c, "num_key_value_heads", default=H)),
+            head_dim=cfg(c, "head_dim"), bias=self.bias(c), rope=self.rope(c),
+            rope_base=float(rope_param(c, "rope_theta", 10000.0)), qk_norm=self.qk_norm(c),
+            qk_norm_eps=float(cfg(c, "rms_norm_eps", default=1e-6)),
+        )
+
+    def specs(self, c: Config) -> list[AttentionSpec]:
+        s = self.spec(c)
+        return [s] * self.n_layers(c)
+
+    def bias(self, c: Config) -> str:
+        return "qkvo" if cfg(c, "attention_bias", default=False) else ""
+
+    def rope(self, c: Config) -> float:
+        return float(rope_param(c, "partial_rotary_factor", 1.0))
+
+    def qk_norm(self, c: Config) -> str:
+        return "none"
+
+    # ---- reduced config for the arbiter on Hugging Face's own class -------------------
+    def reduce(self, c: Config) -> Config:
+        """Same structure, small sizes: few heads (same grouping), small head size."""
+        s = self.spec(c)
+        G = 1 if s.n_kv_heads == 1 else 2
+        H = G * (1 if s.group_size == 1 else 2)
+        dk = 8 if s.rope_dims and s.pass_dims else 4
+        explicit = cfg(c, "head_dim") is not None and int(cfg(c, "head_dim")) * s.n_heads != s.d_model
+        d = H * dk + (2 if explicit else 0)
+        small = dict(c, hidden_size=d, num_attention_heads=H, num_key_value_heads=G,
+                     intermediate_size=2 * d, num_hidden_layers=1, vocab_size=32,
+                     max_position_embeddings=64, pad_token_id=None, bos_token_id=None,
+                     eos_token_id=None)
+        if explicit or "head_dim" in c:
+            small["head_dim"] = dk
+        return small
+
+    # ---- checkpoint tensors <-> canonical ----------------------------------------------
+    def names(self, i: int, spec: AttentionSpec) -> list[str]:
+        """Checkpoint tensor names (without any outer prefix) of layer ``i``'s attention."""
+        p = self.layer_prefix.format(i=i)
+        out = [f"{p}{self.q}.weight", f"{p}{self.k}.weight", f"{p}{self.v}.weight", f"{p}{self.o}.weight"]
+        for letter, mod in (("q", self.q), ("k", self.k), ("v", self.v), ("o", self.o)):
+            if letter in spec.bias:
+                out.append(f"{p}{mod}.bias")
+        return out
+
+    def read(self, t: Mapping[str, torch.Tensor], i: int, spec: AttentionSpec) -> AttentionWeights:
+        p = self.layer_prefix.format(i=i)
+        G = spec.n_kv_heads
+        w: dict[str, torch.Tensor] = {
+            "W_Q": split_heads_in(t[f"{p}{self.q}.weight"], spec.n_heads),
+            "W_K": split_heads_in(t[f"{p}{self.k}.weight"], G),
+            "W_V": split_heads_in(t[f"{p}{self.v}.weight"], G),
+            "W_O": split_heads_out(t[f"{p}{self.o}.weight"], spec.n_heads),
+        }
+        for letter, mod, n in (("q", self.q, spec.n_heads), ("k", self.k, G), ("v", self.v, G)):
+            if letter in spec.bias:
+                w[f"b_{letter.upper()}"] = t[f"{p}{mod}.bias"].reshape(n, -1)
+        if "o" in spec.bias:
+            w["b_O"] = t[f"{p}{self.o}.bias"]
+        return AttentionWeights.from_tensors(spec, w)
+
+    def write(self, w: AttentionWeights, i: int) -> dict[str, torch.Tensor]:
+        p = self.layer_prefix.format(i=i)
+        out = {f"{p}{self.q}.weight": merge_heads_in(w.W_Q), f"{p}{self.k}.weight": merge_heads_in(w.W_K),
+               f"{p}{self.v}.weight": merge_heads_in(w.W_V), f"{p}{self.o}.weight": merge_heads_out(w.W_O)}
+        for letter, mod in (("q", self.q), ("k", self.k), ("v", self.v)):
+            if (w.b_Q is not None and letter == "q") or (w.b_K is not None and letter == "k") \
+                    or (w.b_V is not None and letter == "v"):
+                out[f"{p}{mod}.bias"] = w[f"b_{letter.upper()}"].reshape(-1)
+        if w.b_O is not None:
+            out[f"{p}{self.o}.bias"] = w.b_O
+        return out
+
+    # ---- Hugging Face's own attention module ------------------------------------------
+    def hf_attention(self, c: Config) -> tuple[nn.Module, Callable[[nn.Module, torch.Tensor], torch.Tensor]]:
+        """(module holding exactly the attention parameters, forward(module, x) -> output)."""
+        model = build_hf_model(self.model_type, c)
+        attn = find_first(model, "Attention")
+        rotary = find_rotary(model)
+        holder = _Holder(attn, rotary)
+        return holder, _rotary_forward
+
+    def unsupported(self, c: Config) -> str | None:
+        """Why this config cannot be handled (None when it can)."""
+        return None
+
+
+class _Holder(nn.Module):
+    def __init__(self, attn: nn.Module, rotary: nn.Module | None) -> None:
+        super().__init__()
+        self.attn = attn
+        self.rotary = [rotary]  # a list keeps its (buffer-only) module out of named_parameters
+
+
+def _rotary_forward(h: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    pos = torch.arange(x.shape[1], device=x.device)[None].expand(x.shape[0], -1)
+    rotary = h.rotary[0]
+    pe = rotary(x, pos) if rotary is not None else None
+    out = h.attn(x, position_embeddings=pe, attention_mask=None)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def build_hf_model(model_type: str, c: Config) -> nn.Module:
+    """A transformers model from a config dict, random weights, eager attention, eval mode, float64."""
+    from transformers import AutoConfig, AutoModel
+
+    conf = AutoConfig.for_model(model_type, **{k: v for k, v in c.items() if k != "model_type"})
+    conf._attn_implementation = "eager"
+    model = AutoModel.from_config(conf)
+    return model.double().eval()
+
+
+def find_first(model: nn.Module, suffix: str) -> nn.Module:
+    for _, mod in model.named_modules():
+        if type(mod).__name__.endswith(suffix) and any(True for _ in mod.parameters()):
+            return mod
+    raise AttnidError(f"no module whose class ends with {suffix!r} in {type(model).__name__}")
+
+
+def find_rotary(model: nn.Module) -> nn.Module | None:
+    for _, mod in model.named_modules():
+        if "Rotary" in type(mod).__name__:
+            return mod
+    return None

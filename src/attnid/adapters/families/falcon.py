@@ -1,0 +1,87 @@
+"""Falcon: fused ``query_key_value``: multi-query (7B) or the grouped "new decoder" layout."""
+
+from collections.abc import Mapping
+
+import torch
+
+from attnid.adapters.base import Adapter, Config, cfg, merge_heads_out, split_heads_out
+from attnid.adapters.registry import register
+from attnid.spec import AttentionSpec
+from attnid.symmetry.weights import AttentionWeights
+
+
+@register
+class Falcon(Adapter):
+    architectures = ("FalconForCausalLM", "FalconModel", "RWForCausalLM")
+    model_type = "falcon"
+    family = "Falcon"
+    layer_prefix = "h.{i}."
+
+    def n_layers(self, c: Config) -> int:
+        return int(cfg(c, "num_hidden_layers", "n_layer"))
+
+    def spec(self, c: Config) -> AttentionSpec:
+        d = int(cfg(c, "hidden_size"))
+        H = int(cfg(c, "num_attention_heads", "n_head"))
+        if cfg(c, "new_decoder_architecture", default=False):
+            G = int(cfg(c, "num_kv_heads", default=H))
+        else:
+            G = 1 if cfg(c, "multi_query", default=True) else H
+        return AttentionSpec(d_model=d, n_heads=H, n_kv_heads=G,
+                             bias="qkvo" if cfg(c, "bias", default=False) else "",
+                             rope=0.0 if cfg(c, "alibi", default=False) else 1.0,
+                             rope_base=float(cfg(c, "rope_theta", default=10000.0)))
+
+    def unsupported(self, c: Config) -> str | None:
+        if cfg(c, "alibi", default=False):
+            return "Falcon with ALiBi positions is not supported (only rotary Falcon models)"
+        return None
+
+    def reduce(self, c: Config) -> Config:
+        s = self.spec(c)
+        G = 1 if s.n_kv_heads == 1 else 2
+        H = 4 if s.n_kv_heads == 1 else 2 * G if s.group_size > 1 else 2
+        small = dict(c, hidden_size=4 * H, num_attention_heads=H, num_hidden_layers=1, vocab_size=32,
+                     bos_token_id=None, eos_token_id=None, pad_token_id=None)
+        if "num_kv_heads" in c or cfg(c, "new_decoder_architecture", default=False):
+            small["num_kv_heads"] = G if s.n_kv_heads != s.n_heads else H
+        return small
+
+    def names(self, i: int, spec: AttentionSpec) -> list[str]:
+        p = self.layer_prefix.format(i=i)
+        out = [f"{p}self_attention.query_key_value.weight", f"{p}self_attention.dense.weight"]
+        if spec.bias:
+            out += [f"{p}self_attention.query_key_value.bias", f"{p}self_attention.dense.bias"]
+        return out
+
+    def read(self, t: Mapping[str, torch.Tensor], i: int, spec: AttentionSpec) -> AttentionWeights:
+        p = self.layer_prefix.format(i=i)
+        H, G, dk, d = spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.d_model
+        W = t[f"{p}self_attention.query_key_value.weight"]
+        m = H // G  # every Falcon layout is [G, m queries + key + value, dk] (MQA: G = 1)
+        X = W.reshape(G, m + 2, dk, d).transpose(-1, -2)
+        Wq, Wk, Wv = X[:, :m].reshape(H, d, dk), X[:, m], X[:, m + 1]
+        return AttentionWeights(spec, W_Q=Wq, W_K=Wk, W_V=Wv,
+                                W_O=split_heads_out(t[f"{p}self_attention.dense.weight"], H))
+
+    def write(self, w: AttentionWeights, i: int) -> dict[str, torch.Tensor]:
+        p = self.layer_prefix.format(i=i)
+        s = w.spec
+        H, G, dk, d = s.n_heads, s.n_kv_heads, s.head_dim, s.d_model
+        m = H // G
+        X = torch.cat([w.W_Q.reshape(G, m, d, dk), w.W_K[:, None], w.W_V[:, None]], dim=1)
+        W = X.transpose(-1, -2).reshape(-1, d)
+        return {f"{p}self_attention.query_key_value.weight": W,
+                f"{p}self_attention.dense.weight": merge_heads_out(w.W_O)}
+
+    def hf_attention(self, c: Config):
+        holder, fwd = super().hf_attention(c)
+
+        def forward(h, x):
+            pos = torch.arange(x.shape[1])[None].expand(x.shape[0], -1)
+            pe = h.rotary[0](x, pos)
+            T = x.shape[1]  # its eager path adds the mask unconditionally: give it a zero one
+            mask = torch.zeros(1, 1, T, T, dtype=x.dtype)
+            return h.attn(x, alibi=None, attention_mask=mask, position_ids=pos, position_embeddings=pe)[0]
+
+        return holder, forward

@@ -1,0 +1,69 @@
+"""GPT-NeoX / Pythia: fused ``query_key_value`` laid out per head ([H, 3, dk]), partial rotary."""
+
+from collections.abc import Mapping
+
+import torch
+
+from attnid.adapters.base import (
+    Adapter,
+    Config,
+    cfg,
+    merge_heads_out,
+    rope_param,
+    split_heads_out,
+)
+from attnid.adapters.registry import register
+from attnid.spec import AttentionSpec
+from attnid.symmetry.weights import AttentionWeights
+
+
+@register
+class GPTNeoX(Adapter):
+    architectures = ("GPTNeoXForCausalLM", "GPTNeoXModel")
+    model_type = "gpt_neox"
+    family = "GPT-NeoX"
+    working_precision = "float32"  # its eager attention upcasts to float32 internally
+
+    def bias(self, c: Config) -> str:
+        return "qkvo" if cfg(c, "attention_bias", default=True) else ""
+
+    def rope(self, c: Config) -> float:
+        frac = float(cfg(c, "rotary_pct", default=rope_param(c, "partial_rotary_factor", 1.0)))
+        dk = int(cfg(c, "hidden_size")) // int(cfg(c, "num_attention_heads"))
+        r = int(dk * frac)  # GPT-NeoX truncates
+        return (r - r % 2) / dk
+
+    def reduce(self, c: Config) -> Config:
+        small = super().reduce(c)
+        small.pop("num_key_value_heads", None)
+        small.pop("head_dim", None)
+        return small
+
+    def names(self, i: int, spec: AttentionSpec) -> list[str]:
+        p = self.layer_prefix.format(i=i)
+        out = [f"{p}attention.query_key_value.weight", f"{p}attention.dense.weight"]
+        if spec.bias:
+            out += [f"{p}attention.query_key_value.bias", f"{p}attention.dense.bias"]
+        return out
+
+    def read(self, t: Mapping[str, torch.Tensor], i: int, spec: AttentionSpec) -> AttentionWeights:
+        p = self.layer_prefix.format(i=i)
+        H, dk, d = spec.n_heads, spec.head_dim, spec.d_model
+        W = t[f"{p}attention.query_key_value.weight"].reshape(H, 3, dk, d).transpose(-1, -2)
+        w = dict(W_Q=W[:, 0], W_K=W[:, 1], W_V=W[:, 2],
+                 W_O=split_heads_out(t[f"{p}attention.dense.weight"], H))
+        if spec.bias:
+            b = t[f"{p}attention.query_key_value.bias"].reshape(H, 3, dk)
+            w.update(b_Q=b[:, 0], b_K=b[:, 1], b_V=b[:, 2], b_O=t[f"{p}attention.dense.bias"])
+        return AttentionWeights(spec, **w)
+
+    def write(self, w: AttentionWeights, i: int) -> dict[str, torch.Tensor]:
+        p = self.layer_prefix.format(i=i)
+        s = w.spec
+        W = torch.stack([w.W_Q, w.W_K, w.W_V], dim=1).transpose(-1, -2)  # [H, 3, dk, d]
+        out = {f"{p}attention.query_key_value.weight": W.reshape(3 * s.n_heads * s.head_dim, s.d_model),
+               f"{p}attention.dense.weight": merge_heads_out(w.W_O)}
+        if s.bias:
+            out[f"{p}attention.query_key_value.bias"] = torch.stack([w.b_Q, w.b_K, w.b_V], 1).reshape(-1)
+            out[f"{p}attention.dense.bias"] = w.b_O
+        return out

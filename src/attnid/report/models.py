@@ -1,0 +1,86 @@
+"""`attnid report`: identification counts for real model families, per layer and in total."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from attnid.adapters.config import bundled, load_config
+from attnid.adapters.registry import adapter_for
+from attnid.theory import count
+
+
+def model_params(config: dict[str, Any]) -> int | None:
+    """The whole model's parameter count, from its config (built on the meta device: no memory)."""
+    import torch
+    import transformers
+
+    try:
+        conf = transformers.AutoConfig.for_model(config["model_type"],
+                                                 **{k: v for k, v in config.items() if k != "model_type"})
+        arch = (config.get("architectures") or [None])[0]
+        cls = getattr(transformers, arch, None) if arch else None
+        with torch.device("meta"):
+            model = cls(conf) if cls is not None else transformers.AutoModel.from_config(conf)
+        seen: set[int] = set()
+        total = 0
+        for p in model.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += p.numel()
+        return total
+    except Exception:  # a config transformers cannot build is still countable for attention
+        return None
+
+
+def model_report(model: str, *, with_params: bool = True) -> dict[str, Any]:
+    name, config = load_config(model)
+    adapter = adapter_for(config)
+    specs = adapter.specs(config)
+    layers = [count(s) for s in specs]
+    total = sum(c.total for c in layers)
+    unid = sum(c.unidentified for c in layers)
+    near = sum(c.near_unidentified for c in layers)
+    first = specs[0]
+    def qk_null(spec) -> int:
+        return count(spec).components["qk_gauge"].unidentified
+
+    qk = qk_null(first)
+    mha = qk_null(replace(first, n_kv_heads=first.n_heads))
+    plain = replace(first, rope=0.0, qk_norm="none")  # the paper's counting (no RoPE, no norm)
+    return {
+        "model": name,
+        "architecture": (config.get("architectures") or [config.get("model_type")])[0],
+        "family": adapter.family,
+        "n_layers": len(specs),
+        "spec": first.to_dict(),
+        "attention": {"total": total, "unidentified": unid, "ratio": unid / total,
+                      "near_unidentified": near},
+        "qk_unidentified_per_layer": qk,
+        "qk_unidentified_per_layer_if_mha": mha,
+        "qk_unidentified_per_layer_without_rope": qk_null(plain),
+        "qk_unidentified_per_layer_without_rope_if_mha": qk_null(replace(plain, n_kv_heads=first.n_heads)),
+        "model_params": model_params(config) if with_params else None,
+        "layers": [c.to_dict() for c in layers],
+    }
+
+
+def all_reports() -> list[dict[str, Any]]:
+    return [model_report(n) for n in bundled()]
+
+
+def summary_row(r: dict[str, Any]) -> dict[str, Any]:
+    s = r["spec"]
+    return {
+        "model": r["model"], "family": r["family"], "layers": r["n_layers"],
+        "d_model": s["d_model"], "heads": s["n_heads"], "kv_heads": s["n_kv_heads"],
+        "head_dim": s["head_dim"], "bias": s["bias"] or "-", "rope": s["rope"],
+        "qk_norm": s["qk_norm"],
+        "attention_params": r["attention"]["total"], "unidentified": r["attention"]["unidentified"],
+        "ratio": round(r["attention"]["ratio"], 6),
+        "qk_unid_per_layer": r["qk_unidentified_per_layer"],
+        "qk_unid_per_layer_if_mha": r["qk_unidentified_per_layer_if_mha"],
+        "qk_unid_no_rope": r["qk_unidentified_per_layer_without_rope"],
+        "qk_unid_no_rope_if_mha": r["qk_unidentified_per_layer_without_rope_if_mha"],
+        "model_params": r["model_params"],
+    }
