@@ -189,7 +189,8 @@ def experiment_paper(
 
 @app.command("report")
 def report_cmd(
-    model: Annotated[str | None, typer.Argument(help="config.json, model directory, or bundled name.")] = None,
+    model: Annotated[str | None, typer.Argument(
+        help="config.json, model directory, or bundled name.")] = None,
     all_models: Annotated[bool, typer.Option("--all", help="Compare every bundled model.")] = False,
     json_out: Json = False,
 ) -> None:

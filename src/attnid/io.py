@@ -39,7 +39,7 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        lo, hi = info["data_offsets"]
+        _, hi = info["data_offsets"]
         if end + hi > size:
             raise AttnidError(f"{path} is truncated: tensor {name} runs past the end of the file")
     return header, end

@@ -19,6 +19,7 @@ from attnid.spec import AttentionSpec
 from attnid.symmetry.weights import AttentionWeights
 
 Config = dict[str, Any]
+HFForward = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 
 
 def cfg(config: Config, *keys: str, default: Any = None) -> Any:
@@ -158,13 +159,13 @@ class Adapter:
         return out
 
     # ---- Hugging Face's own attention module ------------------------------------------
-    def hf_attention(self, c: Config) -> tuple[nn.Module, Callable[[nn.Module, torch.Tensor], torch.Tensor]]:
+    def hf_attention(self, c: Config) -> tuple[nn.Module, HFForward]:
         """(module holding exactly the attention parameters, forward(module, x) -> output)."""
-        model = build_hf_model(self.model_type, c)
-        attn = find_first(model, "Attention")
-        rotary = find_rotary(model)
-        holder = _Holder(attn, rotary)
-        return holder, _rotary_forward
+        return self.attention_of(build_hf_model(self.model_type, c))
+
+    def attention_of(self, model: nn.Module) -> tuple[nn.Module, HFForward]:
+        """The first layer's attention of a built transformers model, and how to call it."""
+        return _Holder(find_first(model, "Attention"), find_rotary(model)), _rotary_forward
 
     def unsupported(self, c: Config) -> str | None:
         """Why this config cannot be handled (None when it can)."""

@@ -41,13 +41,17 @@ def balance_pair(A: torch.Tensor, B: torch.Tensor, *, align: bool = True,
     Qb, Rb = torch.linalg.qr(B)
     U, sig, Vh = torch.linalg.svd(Ra @ Rb.transpose(-1, -2))
     root = sig.sqrt().unsqueeze(-2)  # [..., 1, k]
-    S = torch.linalg.solve_triangular(Ra, U * root, upper=True)  # R_a^{-1} U Sigma^{1/2}
-    S_invT = Ra.transpose(-1, -2) @ U / root  # R_a^T U Sigma^{-1/2}
-    if align:
-        A2, B2 = Qa @ U * root, Qb @ Vh.transpose(-1, -2) * root
-        O = polar(A2.transpose(-1, -2) @ A + B2.transpose(-1, -2) @ B)  # [..., k, k]
-        S, S_invT = S @ O, S_invT @ O
-    X, Y = (A, B) if apply_to is None else apply_to
+    Ua, Ub = U * root, Vh.transpose(-1, -2) * root  # A S = Q_a U Sigma^1/2, B S^-T = Q_b V Sigma^1/2
+    O = None
+    if align:  # Procrustes: (A S) O closest to A, (B S^-T) O closest to B
+        O = polar(Ua.transpose(-1, -2) @ (Qa.transpose(-1, -2) @ A)
+                  + Ub.transpose(-1, -2) @ (Qb.transpose(-1, -2) @ B))
+        Ua, Ub = Ua @ O, Ub @ O
+    if apply_to is None:
+        return Qa @ Ua, Qb @ Ub
+    S = torch.linalg.solve_triangular(Ra, Ua, upper=True)  # R_a^{-1} U Sigma^{1/2} O
+    S_invT = Ra.transpose(-1, -2) @ (U / root) if O is None else Ra.transpose(-1, -2) @ (U / root) @ O
+    X, Y = apply_to
     return X @ S, Y @ S_invT
 
 

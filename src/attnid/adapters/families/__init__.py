@@ -14,4 +14,6 @@ from attnid.adapters.families import (
     qwen3,
 )
 
-__all__ = ["bert", "deepseek", "falcon", "gemma", "gpt2", "gpt_neox", "llama", "olmo2", "phi3", "qwen2", "qwen3"]
+__all__ = [
+    "bert", "deepseek", "falcon", "gemma", "gpt2", "gpt_neox", "llama", "olmo2", "phi3", "qwen2", "qwen3",
+]

@@ -2,7 +2,7 @@
 
 from torch import nn
 
-from attnid.adapters.base import Adapter, Config, build_hf_model, find_first
+from attnid.adapters.base import Adapter, Config, find_first
 from attnid.adapters.registry import register
 
 
@@ -23,7 +23,8 @@ class Bert(Adapter):
     model_type = "bert"
     family = "BERT"
     layer_prefix = "encoder.layer.{i}."
-    q, k, v, o = "attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense"
+    q, k, v = "attention.self.query", "attention.self.key", "attention.self.value"
+    o = "attention.output.dense"
 
     def bias(self, c: Config) -> str:
         return "qkvo"
@@ -35,8 +36,7 @@ class Bert(Adapter):
         return dict(c, hidden_size=8, num_attention_heads=2, intermediate_size=16, num_hidden_layers=1,
                     vocab_size=32, max_position_embeddings=64, pad_token_id=None)
 
-    def hf_attention(self, c: Config):
-        model = build_hf_model(self.model_type, c)
+    def attention_of(self, model):
         attn = find_first(model, "SelfAttention")
         dense = find_first(model, "SelfOutput").dense
         return _SelfAttentionAndDense(attn, dense), lambda m, x: m(x)

@@ -74,8 +74,8 @@ class Falcon(Adapter):
         return {f"{p}self_attention.query_key_value.weight": W,
                 f"{p}self_attention.dense.weight": merge_heads_out(w.W_O)}
 
-    def hf_attention(self, c: Config):
-        holder, fwd = super().hf_attention(c)
+    def attention_of(self, model):
+        holder, _ = super().attention_of(model)
 
         def forward(h, x):
             pos = torch.arange(x.shape[1])[None].expand(x.shape[0], -1)

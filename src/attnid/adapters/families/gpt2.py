@@ -4,7 +4,7 @@ from collections.abc import Mapping
 
 import torch
 
-from attnid.adapters.base import Adapter, Config, build_hf_model, find_first
+from attnid.adapters.base import Adapter, Config, find_first
 from attnid.adapters.registry import register
 from attnid.spec import AttentionSpec
 from attnid.symmetry.weights import AttentionWeights
@@ -51,8 +51,8 @@ class GPT2(Adapter):
         return {f"{p}attn.c_attn.weight": W, f"{p}attn.c_attn.bias": b,
                 f"{p}attn.c_proj.weight": w.W_O.reshape(-1, d), f"{p}attn.c_proj.bias": w.b_O}
 
-    def hf_attention(self, c: Config):
-        attn = find_first(build_hf_model(self.model_type, c), "Attention")
+    def attention_of(self, model):
+        attn = find_first(model, "Attention")
 
         def forward(m, x):
             return m(x, attention_mask=None)[0]

@@ -33,6 +33,13 @@ class GPTNeoX(Adapter):
         r = int(dk * frac)  # GPT-NeoX truncates
         return (r - r % 2) / dk
 
+    def spec(self, c: Config) -> AttentionSpec:
+        s = super().spec(c)
+        base = cfg(c, "rotary_emb_base", default=None)  # the older key for rope_theta
+        if base is not None and rope_param(c, "rope_theta") is None:
+            s = AttentionSpec(**{**s.to_dict(), "rope_base": float(base)})
+        return s
+
     def reduce(self, c: Config) -> Config:
         small = super().reduce(c)
         small.pop("num_key_value_heads", None)

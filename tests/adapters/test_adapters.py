@@ -1,0 +1,151 @@
+"""Adapters: registry, config key styles, layouts round-trip, report, the arbiter on HF classes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from attnid import AttnidError, count
+from attnid.adapters import adapter_for
+from attnid.adapters.base import build_hf_model
+from attnid.adapters.config import bundled, load_config
+from attnid.adapters.verify import verify_hf_config
+from attnid.cli import main
+from attnid.report.models import model_report
+
+ONE_PER_FAMILY = ["gpt2", "bert-base-uncased", "roberta-base", "Llama-2-7b", "Meta-Llama-3-8B",
+                  "Mistral-7B-v0.1", "Qwen2.5-7B", "gemma-7b", "falcon-7b", "pythia-1.4b",
+                  "Phi-3-mini-4k-instruct", "Qwen3-8B"]
+
+
+def test_at_least_15_bundled_models_all_supported():
+    names = bundled()
+    assert len(names) >= 15
+    for n in names:
+        _, c = load_config(n)
+        assert adapter_for(c).specs(c)
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"architectures": ["MambaForCausalLM"], "model_type": "mamba"}, "unsupported architecture"),
+    ({"architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2"}, "all heads together"),
+    ({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"}, "latent attention"),
+    ({"architectures": ["FalconForCausalLM"], "model_type": "falcon", "alibi": True,
+      "hidden_size": 64, "num_attention_heads": 4}, "ALiBi"),
+])
+def test_unsupported_is_refused_with_what_is_missing(config, message):
+    with pytest.raises(AttnidError, match=message):
+        adapter_for(config)
+
+
+def test_old_and_new_config_key_styles():
+    old = {"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", "hidden_size": 2048,
+           "num_attention_heads": 16, "num_hidden_layers": 2, "rotary_pct": 0.25, "rope_theta": 5e5}
+    new = {**{k: v for k, v in old.items() if k not in ("rotary_pct", "rope_theta")},
+           "rope_parameters": {"rope_type": "default", "rope_theta": 5e5, "partial_rotary_factor": 0.25}}
+    a, b = adapter_for(old).spec(old), adapter_for(new).spec(new)
+    assert a == b and a.rope_dims == 32 and a.rope_base == 5e5
+    phi = {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "hidden_size": 3072,
+           "num_attention_heads": 32, "num_hidden_layers": 1,
+           "rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.75}}
+    assert adapter_for(phi).spec(phi).rope_dims == 72
+    gpt2 = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": 768, "n_head": 12,
+            "n_layer": 12}
+    assert adapter_for(gpt2).spec(gpt2).head_dim == 64
+
+
+def test_report_reproduces_the_papers_llama2_70b_numbers():
+    r = model_report("Llama-2-70b", with_params=False)
+    assert r["qk_unidentified_per_layer_without_rope"] == 131_072
+    assert r["qk_unidentified_per_layer_without_rope_if_mha"] == 1_048_576
+    assert r["qk_unidentified_per_layer"] == 8 * 128  # with RoPE: one complex scalar per plane
+    assert r["n_layers"] == 80 and len(r["layers"]) == 80
+
+
+def test_report_json_contract(capsys, tmp_path):
+    _, c = load_config("Qwen2.5-0.5B")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(c))
+    for target in ("Qwen2.5-0.5B", str(path), str(tmp_path)):
+        assert main(["report", target, "--json"]) == 0
+        data = json.loads(capsys.readouterr().out)
+        for key in ("model", "architecture", "n_layers", "attention", "layers"):
+            assert key in data
+        assert set(data["attention"]) >= {"total", "unidentified", "ratio"}
+        assert data["layers"][0]["near_unidentified"] == 0
+        assert data["attention"]["total"] == 24 * data["layers"][0]["total"]
+        assert data["model_params"] == 494_032_768
+
+
+def test_report_all_table(capsys):
+    assert main(["report", "--all", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) >= 15 and {"Llama-2-70b", "gpt2", "Qwen3-8B"} <= {r["model"] for r in rows}
+
+
+def test_report_errors(capsys):
+    assert main(["report", "no-such-model"]) == 2
+    assert capsys.readouterr().err.startswith("error: no config")
+
+
+@pytest.mark.parametrize("name", ONE_PER_FAMILY)
+def test_arbiter_on_hugging_face_class_agrees(name):
+    result = verify_hf_config(name, confirm=False)
+    d = result.to_dict()
+    assert d["agree"], d
+    assert d["total"] == count(adapter_for(load_config(name)[1]).spec(
+        adapter_for(load_config(name)[1]).reduce(load_config(name)[1]))).total
+
+
+def test_verify_hf_config_cli(capsys):
+    assert main(["verify", "--hf-config", "Qwen2.5-7B", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["agree"] and d["stable"] and "Qwen2" in d["model"]
+
+
+@pytest.mark.parametrize("name", ONE_PER_FAMILY)
+def test_layout_round_trip_on_real_module_state(name):
+    _, c = load_config(name)
+    adapter = adapter_for(c)
+    small = dict(adapter.reduce(c), num_hidden_layers=2, n_layer=2)
+    model = build_hf_model(adapter.model_type, small)
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    spec = adapter.spec(small)
+    first = adapter.names(1, spec)[0]
+    prefix = next(k[: -len(first)] for k in state if k.endswith(first))
+    local = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    w = adapter.read(local, 1, spec)
+    back = adapter.write(w, 1)
+    assert set(back) == set(adapter.names(1, spec))
+    for k, v in back.items():
+        assert torch.equal(v, local[k]), k
+
+
+@pytest.mark.parametrize("name", ONE_PER_FAMILY)
+def test_canonical_layout_computes_what_hugging_face_computes(name):
+    """HF's attention module and attnid.Attention on the adapter's canonical weights agree."""
+    from attnid.numeric import randomize_
+
+    _, c = load_config(name)
+    adapter = adapter_for(c)
+    small = adapter.reduce(c)
+    spec = adapter.spec(small)
+    model = build_hf_model(adapter.model_type, small)
+    holder, forward = adapter.attention_of(model)
+    randomize_(holder, 3)
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    first = adapter.names(0, spec)[0]
+    prefix = next(k[: -len(first)] for k in state if k.endswith(first))
+    local = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    ours = adapter.read(local, 0, spec).to_module()
+    x = torch.randn(3, 7, spec.d_model, dtype=torch.float64)
+    with torch.no_grad():
+        theirs = forward(holder, x)
+        mine = ours(x, causal=False)
+        mine_causal = ours(x, causal=True)
+    err = min(float((theirs - m).norm() / theirs.norm()) for m in (mine, mine_causal))
+    # HF computes rotary tables (and some softmaxes / norms) in float32
+    tol = 1e-5 if adapter.working_precision == "float32" else 1e-6 if spec.rope else 1e-10
+    assert err < tol, f"{name}: HF vs canonical relative error {err:.2e}"

