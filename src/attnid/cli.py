@@ -187,6 +187,25 @@ def experiment_paper(
     typer.echo(f"figures and tables in {out}")
 
 
+@app.command("reproduce")
+def reproduce_cmd(
+    out: Annotated[str, typer.Option("--out", help="Output directory.")] = "attnid-report",
+    quick: Annotated[bool, typer.Option("--quick", help="A smaller run (about 3 minutes).")] = False,
+) -> None:
+    """Reproduce every claim of the paper: tables, figures, report.md and report.html."""
+    from rich.console import Console
+
+    from attnid.report.reproduce import reproduce
+
+    console = Console(stderr=True)
+    with console.status("starting") as status:
+        summary = reproduce(out, quick=quick, progress=lambda msg: status.update(msg))
+    for c in summary["claims"]:
+        typer.echo(f"{'HOLDS' if c['holds'] else 'FAILS'}  [{c['section']}] {c['claim']}")
+    typer.echo(f"{summary['holds']}/{summary['total']} claims hold; report in {out}/report.md "
+               f"and {out}/report.html ({summary['seconds']:.0f} s)")
+
+
 @app.command("report")
 def report_cmd(
     model: Annotated[str | None, typer.Argument(
