@@ -1,7 +1,8 @@
 """Arbiter speed: end to end, against the naive route and against the dense-SVD floor.
 
     python benchmarks/numeric.py            # sizes up to ~9,000 parameters
-    python benchmarks/numeric.py --big      # plus a ~20,000-parameter layer (minutes)
+    python benchmarks/numeric.py --big      # plus a ~20,000-parameter layer (about an hour)
+    python benchmarks/numeric.py --big-only # just the arbiter on that layer (~40 minutes)
 
 (a) `attnid.jacobian_rank` end to end (inputs, sketch, SVD);
 (b) naive: `torch.autograd.functional.jacobian` on the same inputs, then
@@ -44,7 +45,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--big", action="store_true", help="also decide a ~20,000-parameter layer")
     ap.add_argument("--naive-max", type=int, default=4100, help="largest P for the naive route")
+    ap.add_argument("--big-only", action="store_true",
+                    help="only decide a ~20,000-parameter layer with the arbiter (time, peak memory)")
     args = ap.parse_args()
+    if args.big_only:
+        spec = AttentionSpec(d_model=72, n_heads=8)
+        res, t = timed(lambda: jacobian_rank(randomize_(Attention(spec).double(), 0)))
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        print(f"P={res.n_params}: nullity {res.nullity} (theory {count(spec).unidentified}), gap "
+              f"{res.spectral_gap:.1e}, {t:.0f}s, peak resident memory {peak:.2f} GB")
+        return
     torch.manual_seed(0)
     sizes = [(16, 2), (24, 4), (32, 4), (44, 4)] + ([(72, 8)] if args.big else [])
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}")

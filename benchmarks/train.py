@@ -42,6 +42,7 @@ def plain_gpt(cfg: GPTConfig) -> GPT:
 
 
 def time_steps(model: nn.Module, idx: torch.Tensor, n: int, monitor: Monitor | None = None) -> float:
+    """Best step time over ``n`` steps (after one warm-up)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def step() -> None:
@@ -63,6 +64,12 @@ def time_steps(model: nn.Module, idx: torch.Tensor, n: int, monitor: Monitor | N
     return best
 
 
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
 def main() -> None:
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}")
     for label, kw, batch in (
@@ -73,13 +80,19 @@ def main() -> None:
         torch.manual_seed(0)
         idx = torch.randint(0, 78, (batch, cfg.block_size))
         n = 10 if kw["n_embd"] < 128 else 3
-        t_plain = time_steps(plain_gpt(cfg), idx, n)
-        ours = GPT(cfg)
-        t_ours = time_steps(ours, idx, n)
-        t_mon = time_steps(ours, idx, n, Monitor(ours))
-        print(f"{label}, batch {batch}: plain SDPA {t_plain * 1e3:.1f} ms/step, attnid "
-              f"{t_ours * 1e3:.1f} ms/step, ratio {t_ours / t_plain:.2f}x; metrics every step "
-              f"+{(t_mon - t_ours) * 1e3:.1f} ms = {100 * (t_mon - t_ours) / t_ours:.1f}% of a step")
+        plain, ours = plain_gpt(cfg), GPT(cfg)
+        t_plain, t_ours = [], []
+        for _ in range(2):  # interleaved, so that machine noise hits both alike
+            t_plain.append(time_steps(plain, idx, n))
+            t_ours.append(time_steps(ours, idx, n))
+        tp, to = min(t_plain), min(t_ours)
+        mon = Monitor(ours)
+        before = mon.batches.snapshot()
+        t_mon = min(_timed(lambda mon=mon, before=before: mon.measure(before, mon.batches.snapshot()))
+                    for _ in range(3))
+        print(f"{label}, batch {batch}: plain SDPA {tp * 1e3:.1f} ms/step, attnid {to * 1e3:.1f} ms/step, "
+              f"ratio {to / tp:.2f}x; metrics every step {t_mon * 1e3:.1f} ms = {100 * t_mon / to:.1f}% "
+              "of a step")
 
 
 if __name__ == "__main__":

@@ -99,3 +99,38 @@ def test_rebalance_every_n_is_function_preserving():
 def test_bad_correction_mode(mode):
     with pytest.raises(AttnidError):
         parse_mode(mode)
+
+
+@pytest.mark.parametrize("arch, extra", [
+    ("GPT2LMHeadModel", dict(model_type="gpt2", n_embd=16, n_head=4, n_layer=2, vocab_size=32,
+                             n_positions=16)),
+    ("LlamaForCausalLM", dict(model_type="llama", hidden_size=16, num_attention_heads=4,
+                              num_key_value_heads=2, num_hidden_layers=2, intermediate_size=32,
+                              vocab_size=32, attention_bias=True)),
+], ids=["gpt2", "llama"])
+def test_hooks_work_on_hugging_face_models(arch, extra):
+    import transformers
+
+    conf = transformers.AutoConfig.for_model(extra.pop("model_type"), **extra)
+    torch.manual_seed(0)
+    model = getattr(transformers, arch)(conf).double()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    mon, fix = Monitor(model), Corrector(model, "project")
+    assert len(mon.layer_names) == 2
+    ids = torch.randint(0, 32, (2, 8))
+    for _ in range(2):
+        opt.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        with mon.step(), fix.step():
+            opt.step()
+    assert max(max(r) for r in mon.last["rho_qk"]) < 1e-10
+    assert max(max(r) for r in mon.last["rho_vo"]) < 1e-10
+    reb = Corrector(model, "rebalance")
+    model.eval()
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+        with reb.step():
+            pass
+        after = model(input_ids=ids).logits
+    err = float((after - before).norm() / before.norm())
+    assert err < 1e-10, f"rebalancing a Hugging Face model changed its logits by {err:.2e}"

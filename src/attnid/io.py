@@ -45,12 +45,17 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
     return header, end
 
 
-def read_tensor(path: Path, header: dict[str, Any], start: int, name: str) -> torch.Tensor:
-    info = header[name]
-    lo, hi = info["data_offsets"]
+def read_bytes(path: Path, header: dict[str, Any], start: int, name: str) -> bytes:
+    """A tensor's raw little-endian bytes, as stored."""
+    lo, hi = header[name]["data_offsets"]
     with path.open("rb") as f:
         f.seek(start + lo)
-        data = bytearray(f.read(hi - lo))
+        return f.read(hi - lo)
+
+
+def read_tensor(path: Path, header: dict[str, Any], start: int, name: str) -> torch.Tensor:
+    info = header[name]
+    data = bytearray(read_bytes(path, header, start, name))
     dtype = DTYPES.get(info["dtype"])
     if dtype is None:
         raise AttnidError(f"{path}: unsupported dtype {info['dtype']} for {name}")
@@ -59,9 +64,10 @@ def read_tensor(path: Path, header: dict[str, Any], start: int, name: str) -> to
 
 
 def write_streaming(path: Path, entries: list[tuple[str, str, list[int]]],
-                    produce: Callable[[str], torch.Tensor], metadata: dict[str, str] | None = None
-                    ) -> None:
-    """Write ``entries`` (name, dtype, shape) in order; ``produce(name)`` gives each tensor."""
+                    produce: Callable[[str], torch.Tensor | bytes],
+                    metadata: dict[str, str] | None = None) -> None:
+    """Write ``entries`` (name, dtype, shape) in order; ``produce(name)`` gives each tensor
+    (or, for a tensor copied unchanged, its raw bytes)."""
     header: dict[str, Any] = {}
     if metadata:
         header["__metadata__"] = metadata
@@ -80,9 +86,15 @@ def write_streaming(path: Path, entries: list[tuple[str, str, list[int]]],
         f.write(blob)
         for name, dtype, shape in entries:
             t = produce(name)
+            if isinstance(t, bytes):
+                lo, hi = header[name]["data_offsets"]
+                if len(t) != hi - lo:
+                    raise AttnidError(f"internal: {name} has {len(t)} bytes, expected {hi - lo}")
+                f.write(t)
+                continue
             if NAMES[t.dtype] != dtype or list(t.shape) != list(shape):
                 raise AttnidError(f"internal: {name} changed dtype or shape")
-            f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            f.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
 
 
 def weight_files(model_dir: Path) -> list[Path]:

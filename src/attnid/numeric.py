@@ -111,7 +111,7 @@ def jacobian_rank(
     rtol: float | None = None,
     near_rtol: float = NEAR_RTOL,
     oversample: int = 16,
-    chunk_rows: int = 128,
+    chunk_rows: int | None = None,
     return_null_space: bool = False,
 ) -> ArbiterResult:
     """Rank, nullity and spectrum of ``d outputs / d parameters`` at the module's current point.
@@ -155,6 +155,8 @@ def jacobian_rank(
     with sdpa_kernel([SDPBackend.MATH]):  # decomposed SDPA: every op has a batching rule
         out, pullback = vjp(f, flat0)
     N = out.numel()
+    if chunk_rows is None:  # cotangent rows per batched pullback: ~64 MB of cotangents
+        chunk_rows = max(64, min(2048, 2**23 // max(N, 1)))
     sketch = _sketch(pullback, N, P, oversample, chunk_rows, seed)
     null_space = None
     if return_null_space:

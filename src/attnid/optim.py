@@ -67,6 +67,8 @@ def _attnid_layers(model: nn.Module) -> list[LayerAccessor]:
 
 
 def find_layers(model: nn.Module) -> list[LayerAccessor]:
+    import attnid.adapters.hooks  # noqa: F401  (registers the Hugging Face finder)
+
     layers = [acc for finder in _FINDERS for acc in finder(model)]
     if not layers:
         raise AttnidError("no attention layer found in the model (no registered adapter matched)")

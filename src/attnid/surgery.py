@@ -24,7 +24,7 @@ import torch
 from attnid.adapters.config import load_config
 from attnid.adapters.registry import adapter_for
 from attnid.errors import AttnidError
-from attnid.io import all_names, read_header, read_tensor, weight_files, write_streaming
+from attnid.io import all_names, read_bytes, read_header, read_tensor, weight_files, write_streaming
 from attnid.symmetry.rebalance import drop_key_bias, fold_value_bias, rebalance_qk, rebalance_vo
 from attnid.symmetry.weights import AttentionWeights
 
@@ -84,7 +84,7 @@ def canonicalize(in_dir: str | Path, out_dir: str | Path, *, drop_key_bias_: boo
             raw[n] = read_tensor(p, header, st, prefix + n)
         dtype = next(iter(raw.values())).dtype
         for n, t in raw.items():
-            if not torch.isfinite(t.double()).all():
+            if not torch.isfinite(t).all():
                 raise AttnidError(f"{prefix + n} holds NaN or Inf values")
         w0 = adapter.read({k: v.double() for k, v in raw.items()}, i, s)
         w1 = transform(w0, ops, stats)
@@ -104,12 +104,12 @@ def canonicalize(in_dir: str | Path, out_dir: str | Path, *, drop_key_bias_: boo
             header, st = read_header(p)
             entries = [(n, v["dtype"], v["shape"]) for n, v in header.items() if n != "__metadata__"]
 
-            def produce(name: str, p=p, header=header, st=st) -> torch.Tensor:
+            def produce(name: str, p=p, header=header, st=st) -> torch.Tensor | bytes:
                 if name in owner:
                     if name not in cache:
                         layer_tensors(owner[name])
                     return cache.pop(name)
-                return read_tensor(p, header, st, name)
+                return read_bytes(p, header, st, name)  # untouched: copied as stored
 
             write_streaming(tmp / p.name, entries, produce, header.get("__metadata__"))
         total_bytes = sum(p.stat().st_size for p in files)
@@ -151,7 +151,8 @@ def _check_layer(w0: AttentionWeights, w1: AttentionWeights, dtype: torch.dtype,
     """Both layers as float64 `attnid.Attention` on probe inputs; refuse beyond the dtype's tolerance."""
     x = torch.randn(4, 16, w0.spec.d_model, generator=gen, dtype=torch.float64)
     with torch.no_grad():
-        y0, y1 = w0.to_module()(x, causal=True), w1.to_module()(x, causal=True)
+        y0 = w0.to_module(copy=False)(x, causal=True)
+        y1 = w1.to_module(copy=False)(x, causal=True)
     abs_diff = float((y1 - y0).abs().max())
     rel = float((y1 - y0).norm() / y0.norm().clamp_min(1e-300))
     stats["max_abs_diff"] = max(stats["max_abs_diff"], abs_diff)

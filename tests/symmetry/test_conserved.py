@@ -44,3 +44,14 @@ def test_metric_shapes_and_definitions():
     C0 = sum(Wq[0, i].T @ Wq[0, i] for i in range(2)) - w.W_K[0].T @ w.W_K[0]
     assert float(m["beta_qk"][0]) == pytest.approx(float(C0.norm()), rel=1e-12)
     assert float(m["tau_qk"][0]) == pytest.approx(float(C0.trace()), rel=1e-12)
+
+
+def test_metrics_of_a_view_follow_in_place_updates():
+    spec = AttentionSpec(d_model=12, n_heads=3)
+    layer = randomize_(Attention(spec).double(), 0)
+    w = AttentionWeights.from_module(layer)  # views of the parameters
+    first = metrics(w)["beta_qk"].clone()
+    with torch.no_grad():
+        layer.W_Q.mul_(2.0)
+    second = metrics(w)["beta_qk"]
+    assert not torch.allclose(first, second), "stale Gram matrices after an in-place update"

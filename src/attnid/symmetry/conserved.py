@@ -21,7 +21,20 @@ def _grouped(x: torch.Tensor, G: int) -> torch.Tensor:
 
 
 def grams(w: AttentionWeights, side: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(left, right) Gram matrices per group: ``[..., G, k, k]`` each."""
+    """(left, right) Gram matrices per group: ``[..., G, k, k]`` each (cached on ``w``).
+
+    QK: ``(sum_{h in g} W~_Q^hT W~_Q^h, W~_K^gT W~_K^g)``; VO: ``(W~_V^T W~_V, sum W_O W_O^T)``.
+    """
+    # memoised on the container, keyed by the tensors' version counters, so that views of
+    # parameters that were since updated in place are recomputed
+    cache = w.__dict__.setdefault("_gram_cache", {})
+    versions = tuple(t._version for _, t in w.items())
+    if side not in cache or cache[side][0] != versions:
+        cache[side] = (versions, _grams(w, side))
+    return cache[side][1]
+
+
+def _grams(w: AttentionWeights, side: str) -> tuple[torch.Tensor, torch.Tensor]:
     s = w.spec
     if side == "qk":
         a = w.W_Q.transpose(-1, -2) @ w.W_Q

@@ -180,28 +180,17 @@ class TangentMap:
     # T*T through small Gram matrices (no pass over the big weights) ------------------
     @cached_property
     def _grams(self) -> dict[str, torch.Tensor]:
+        from attnid.symmetry.conserved import grams
+
         s, w = self.spec, self.w
-        m = s.group_size
         out: dict[str, torch.Tensor] = {}
         if self.side == "qk" and s.qk_norm == "none":
-            gq = w.W_Q.transpose(-1, -2) @ w.W_Q
-            if w.b_Q is not None:
-                gq = gq + w.b_Q.unsqueeze(-1) * w.b_Q.unsqueeze(-2)
-            out["GQ"] = gq.reshape(*gq.shape[:-3], s.n_kv_heads, m, *gq.shape[-2:]).sum(-3)
-            gk = w.W_K.transpose(-1, -2) @ w.W_K
-            if w.b_K is not None:
-                gk = gk + w.b_K.unsqueeze(-1) * w.b_K.unsqueeze(-2)
-            out["GK"] = gk
+            out["GQ"], out["GK"] = grams(w, "qk")
         elif self.side == "qk":
             out["sq"] = (w.W_Q**2).sum((-1, -2)) + (0 if w.b_Q is None else (w.b_Q**2).sum(-1))
             out["sk"] = (w.W_K**2).sum((-1, -2)) + (0 if w.b_K is None else (w.b_K**2).sum(-1))
         else:
-            gv = w.W_V.transpose(-1, -2) @ w.W_V
-            if w.b_V is not None:
-                gv = gv + w.b_V.unsqueeze(-1) * w.b_V.unsqueeze(-2)
-            out["GV"] = gv
-            go = w.W_O @ w.W_O.transpose(-1, -2)
-            out["GO"] = go.reshape(*go.shape[:-3], s.n_kv_heads, m, *go.shape[-2:]).sum(-3)
+            out["GV"], out["GO"] = grams(w, "vo")
             if w.b_V is not None and w.b_O is not None:
                 W = group_sum_out(w)  # [..., G, dv, d]
                 out["WW"] = torch.einsum("...gvd,...hud->...gvhu", W, W)  # [..., G, dv, G, dv]

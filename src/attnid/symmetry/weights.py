@@ -134,12 +134,15 @@ class AttentionWeights:
         return total
 
     # ---- to and from modules -----------------------------------------------------
-    def to_module(self, *, causal: bool = False) -> Attention:
-        """A new `attnid.Attention` holding copies of these (unbatched) weights."""
+    def to_module(self, *, causal: bool = False, copy: bool = True) -> Attention:
+        """A new `attnid.Attention` holding these (unbatched) weights: copies, or the very
+        tensors when ``copy=False``."""
         if self.batch_shape:
             raise AttnidError("to_module needs one layer; unstack() first")
-        layer = Attention(self.spec, causal=causal).to(self.W_Q.dtype)
-        self.load_into_(layer)
+        with torch.device("meta"):  # no allocation or random init for weights about to be replaced
+            layer = Attention(self.spec, causal=causal)
+        layer.load_state_dict({n: t.detach().clone() if copy else t.detach() for n, t in self.items()},
+                              assign=True)
         return layer
 
     def load_into_(self, layer: Attention) -> None:
