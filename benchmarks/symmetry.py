@@ -64,7 +64,8 @@ def loop_rebalance(w: AttentionWeights) -> list[torch.Tensor]:
                 U, s, Vh = torch.linalg.svd(Ra @ Rb.T)
                 A2, B2 = Qa @ U * s.sqrt(), Qb @ Vh.T * s.sqrt()
                 U2, _, Vh2 = torch.linalg.svd(A2.T @ A + B2.T @ B)
-                outs.append(A2 @ U2 @ Vh2)
+                O = U2 @ Vh2
+                outs += [A2 @ O, B2 @ O]  # both balanced factors, as the batched version returns
     return outs
 
 

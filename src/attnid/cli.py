@@ -229,6 +229,13 @@ def report_cmd(
     if json_out:
         emit_json(rep)
         return
+    if not rep["closed_form"]:
+        nr = rep["numeric_reduced"]
+        typer.echo(f"{rep['model']} ({rep['architecture']}, {rep['n_layers']} layers): attention "
+                   f"parameters {rep['attention']['total']:,}\n  {rep['note']}\n  reduced layer "
+                   f"{nr['reduced_config']}: {nr['unidentified']} of {nr['params']} parameters "
+                   f"unidentified, {nr['near_unidentified']} near-unidentified")
+        return
     from rich.console import Console
 
     console = Console(width=110)

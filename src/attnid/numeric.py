@@ -155,8 +155,8 @@ def jacobian_rank(
     with sdpa_kernel([SDPBackend.MATH]):  # decomposed SDPA: every op has a batching rule
         out, pullback = vjp(f, flat0)
     N = out.numel()
-    if chunk_rows is None:  # cotangent rows per batched pullback: ~64 MB of cotangents
-        chunk_rows = max(64, min(2048, 2**23 // max(N, 1)))
+    if chunk_rows is None:  # small batches of cotangents run fastest (memory bandwidth);
+        chunk_rows = max(16, min(128, 2**24 // max(N, 1)))  # and at most ~128 MB of them
     sketch = _sketch(pullback, N, P, oversample, chunk_rows, seed)
     null_space = None
     if return_null_space:

@@ -53,6 +53,8 @@ def canonicalize(in_dir: str | Path, out_dir: str | Path, *, drop_key_bias_: boo
         raise AttnidError(f"{out_dir} exists and is not empty (use --force to replace it)")
     _, config = load_config(str(src))
     adapter = adapter_for(config)
+    if not adapter.closed_form:
+        raise AttnidError(f"cannot canonicalize {adapter.family}: attnid lacks {adapter.missing}")
     specs = adapter.specs(config)
     files = weight_files(src)
     index = all_names(files)

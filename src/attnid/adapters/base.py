@@ -75,6 +75,8 @@ class Adapter:
     o: ClassVar[str] = "self_attn.o_proj"
     layer_prefix: ClassVar[str] = "layers.{i}."
     working_precision: ClassVar[str] = "float64"  # "float32" where kernels downcast
+    closed_form: ClassVar[bool] = True  # False: counted numerically on a reduced config only
+    missing: ClassVar[str] = ""  # what attnid lacks for such a family (said in every refusal)
 
     # ---- config -> specs ------------------------------------------------------------
     def n_layers(self, c: Config) -> int:

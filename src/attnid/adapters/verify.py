@@ -18,6 +18,11 @@ def verify_hf_config(model: str, *, seed: int = 0, confirm: bool = True) -> Veri
     fraction, biases, norms), random float64 weights, eval mode; count and compare."""
     name, config = load_config(model)
     adapter = adapter_for(config)
+    if not adapter.closed_form:
+        from attnid.errors import AttnidError
+
+        raise AttnidError(f"{adapter.family} has no closed form to compare with (attnid lacks "
+                          f"{adapter.missing}); `attnid report` shows its numeric count")
     small = adapter.reduce(config)
     spec = adapter.spec(small)
     module, forward = adapter.hf_attention(small)
@@ -40,3 +45,35 @@ def verify_hf_config(model: str, *, seed: int = 0, confirm: bool = True) -> Veri
                          confirm=None if result.confirm is None else
                          replace(result.confirm, near_nullity=0))
     return result
+
+
+def numeric_hf_count(adapter: Any, config: dict[str, Any], *, seed: int = 0) -> dict[str, Any]:
+    """The arbiter's count of one attention layer of a *reduced* config, on Hugging Face's own
+    class (for families without a closed form). Near-null: the directions that become exactly
+    null when the norms' epsilon is 0."""
+    from attnid.numeric import jacobian_rank, randomize_
+
+    small = adapter.reduce(config)
+    module, forward = adapter.hf_attention(small)
+    randomize_(module, seed)
+    _set_norm_eps(module, 1e-2)  # every norm inside, also those whose eps is hard-coded
+    kw: dict[str, Any] = dict(forward=forward, d_model=int(small["hidden_size"]),
+                              rtol=EXACT_RTOL[adapter.working_precision], seed=seed)
+    found = jacobian_rank(module, **kw)
+    exact, _ = adapter.hf_attention(small)
+    exact.load_state_dict(module.state_dict())
+    _set_norm_eps(exact, 0.0)
+    null0 = jacobian_rank(exact, **kw).nullity
+    keys = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "q_lora_rank",
+            "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+    return {"reduced_config": {k: small[k] for k in keys if small.get(k) is not None},
+            "params": found.n_params, "unidentified": found.nullity,
+            "near_unidentified": max(null0 - found.nullity, 0), "spectral_gap": found.spectral_gap,
+            "seconds": found.seconds}
+
+
+def _set_norm_eps(module: nn.Module, eps: float) -> None:
+    for m in module.modules():
+        for attr in ("variance_epsilon", "eps"):
+            if "Norm" in type(m).__name__ and isinstance(getattr(m, attr, None), float):
+                setattr(m, attr, eps)

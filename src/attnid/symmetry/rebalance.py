@@ -117,6 +117,8 @@ def rebalance_qk(w: AttentionWeights, *, mode: Mode = "auto", align: bool = True
         b_Q=None if w.b_Q is None else torch.zeros_like(w.b_Q),
         b_K=None if w.b_K is None else torch.zeros_like(w.b_K)))
     r = s.rope_dims
+    if r == 0:  # no RoPE: the whole GL gauge
+        return _unrows_qk(w, *balance_pair(Aw, Bw, align=align, apply_to=None if bias_rows else (A, B)))
     A2, B2 = A.clone(), B.clone()
     if s.pass_dims:
         A2[..., r:], B2[..., r:] = balance_pair(Aw[..., r:], Bw[..., r:], align=align,
