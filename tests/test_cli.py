@@ -76,3 +76,19 @@ def test_console_entry_points():
     proc = subprocess.run([sys.executable, "-m", "attnid", "count", "--d-model", "7",
                            "--heads", "2"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.startswith("error:")
+
+
+def test_verify_exits_1_when_theory_and_arbiter_disagree(capsys, monkeypatch):
+    import dataclasses
+
+    import attnid.verify as v
+
+    real = v.verify
+
+    def off_by_one(spec, **kw):
+        r = real(spec, **kw)
+        return dataclasses.replace(r, arbiter=dataclasses.replace(r.arbiter, nullity=r.arbiter.nullity + 1))
+
+    monkeypatch.setattr(v, "verify", off_by_one)
+    code, out, _ = run(capsys, "verify", "--d-model", "8", "--heads", "2", "--json", "--no-confirm")
+    assert code == 1 and json.loads(out)["agree"] is False

@@ -155,8 +155,9 @@ def train_cmd(
     try:
         summary = train(cfg, Path(out), resume=resume, progress=progress)
     except KeyboardInterrupt:
-        raise AttnidError(f"interrupted; the log in {out} is valid; continue with "
-                          f"attnid train --resume --out {out}") from None
+        typer.echo(f"error: interrupted; the log in {out} is valid; continue with "
+                   f"attnid train --resume --out {out}", err=True)
+        raise typer.Exit(130) from None
     if summary["rank"] == 0:
         typer.echo(f"trained {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
                    f"{summary['seconds']:.1f}s -> {out}")
@@ -345,7 +346,7 @@ def print_count(result: Count, title: str | None = None) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point: runs the app and maps user errors to one ``error:`` line, exit 2."""
     try:
-        app(args=argv, standalone_mode=False)
+        code = app(args=argv, standalone_mode=False)  # click returns an Exit's code here
     except AttnidError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -360,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
-    return 0
+    return code if isinstance(code, int) else 0
 
 
 if __name__ == "__main__":

@@ -130,3 +130,15 @@ def test_experiment_smoke_writes_every_figure_and_table(tmp_path):
                                              for c in result["claims"])
     sp = json.loads((tmp_path / "exp" / "same_point_drift.json").read_text())
     assert abs(sp["slope_qk"] - 2) < 0.05 and abs(sp["slope_vo"] - 2) < 0.05
+
+
+def test_ctrl_c_in_the_cli_exits_130_with_one_line(tmp_path, capsys, monkeypatch):
+    import attnid.train.loop as loop
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loop, "train", interrupted)
+    code = main(["train", "--out", str(tmp_path / "x"), "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 130 and len(err) == 1 and "attnid train --resume" in err[0]
