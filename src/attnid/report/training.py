@@ -106,7 +106,8 @@ def drift_fit(runs: dict[str, dict], sweep: list[str], side: str, *, first: bool
     return lrs, drift, slope
 
 
-def fig4(runs: dict[str, dict], sweep: list[str], side: str, path: Path) -> float:
+def fig4(runs: dict[str, dict], sweep: list[str], side: str, path: Path,
+         same_point: dict | None = None) -> float:
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     for c in sweep:
         a.plot(runs[c]["step"], runs[c][f"drift_{side}"].mean(1), lw=1, label=c.removeprefix("sweep_"))
@@ -117,7 +118,11 @@ def fig4(runs: dict[str, dict], sweep: list[str], side: str, path: Path) -> floa
     lrs, md, slope = drift_fit(runs, sweep, side)
     _, d1, slope1 = drift_fit(runs, sweep, side, first=True)
     b.loglog(lrs, md, "o-", label=f"mean over the run: slope {slope:.2f}")
-    b.loglog(lrs, d1, "s--", label=f"step 1 (same weights): slope {slope1:.2f}")
+    b.loglog(lrs, d1, "s--", label=f"step 1, float32 training: slope {slope1:.2f}")
+    if same_point is not None:
+        b.loglog(same_point["lr"], same_point[f"drift_{side}"], "^-",
+                 label=f"one step from the same trained weights, float64: slope "
+                       f"{same_point[f'slope_{side}']:.3f}")
     b.set_xlabel("learning rate")
     b.set_ylabel(f"drift_{side}")
     b.set_title("drift against lr (theory: slope 2)")
@@ -254,16 +259,16 @@ def write_training_report(out: Path, names: list[str], n_head: int) -> dict[str,
     figs = out / "figures"
     figs.mkdir(parents=True, exist_ok=True)
     sweep = [n for n in names if n.startswith("sweep_")]
-    slopes = {side: fig4(runs, sweep, side, figs / f"fig4_drift_{side}.png") for side in ("qk", "vo")}
+    same = out / "same_point_drift.json"
+    sp = json.loads(same.read_text()) if same.exists() else None
+    slopes = {side: fig4(runs, sweep, side, figs / f"fig4_drift_{side}.png", sp) for side in ("qk", "vo")}
     for side in ("qk", "vo"):
         slopes[f"{side}_step1"] = drift_fit(runs, sweep, side, first=True)[2]
     ordered = sorted(sweep, key=lambda c: -float(c.removeprefix("sweep_lr")))
     slopes["monotone"] = all(  # type: ignore[assignment]
         all(a > b for a, b in itertools.pairwise(d))
         for d in ([drift_fit(runs, ordered, side)[1].tolist() for side in ("qk", "vo")]))
-    same = out / "same_point_drift.json"
-    if same.exists():
-        sp = json.loads(same.read_text())
+    if sp is not None:
         slopes["same_qk"], slopes["same_vo"] = sp["slope_qk"], sp["slope_vo"]
     for side in ("qk", "vo"):
         fig2(runs, list(PAPER), side, n_head, figs / f"fig2_{side}.png",
