@@ -122,12 +122,22 @@ def test_layout_round_trip_on_real_module_state(name):
         assert torch.equal(v, local[k]), k
 
 
-@pytest.mark.parametrize("name", ONE_PER_FAMILY)
+FALCON_VARIANTS = {
+    "falcon-bias-mha": {"architectures": ["FalconForCausalLM"], "model_type": "falcon", "hidden_size": 64,
+                        "num_attention_heads": 4, "num_hidden_layers": 1, "multi_query": False,
+                        "new_decoder_architecture": False, "bias": True, "alibi": False},
+    "falcon-grouped": {"architectures": ["FalconForCausalLM"], "model_type": "falcon", "hidden_size": 64,
+                       "num_attention_heads": 8, "num_kv_heads": 2, "num_hidden_layers": 1,
+                       "new_decoder_architecture": True, "bias": False, "alibi": False},
+}
+
+
+@pytest.mark.parametrize("name", ONE_PER_FAMILY + list(FALCON_VARIANTS))
 def test_canonical_layout_computes_what_hugging_face_computes(name):
     """HF's attention module and attnid.Attention on the adapter's canonical weights agree."""
     from attnid.numeric import randomize_
 
-    _, c = load_config(name)
+    c = FALCON_VARIANTS[name] if name in FALCON_VARIANTS else load_config(name)[1]
     adapter = adapter_for(c)
     small = adapter.reduce(c)
     spec = adapter.spec(small)

@@ -62,6 +62,14 @@ def merge_heads_out(w: torch.Tensor) -> torch.Tensor:
     return w.reshape(n * k, d).T
 
 
+def fused_names(prefix: str, attn: str, with_bias: bool) -> list[str]:
+    """Tensor names of a fused ``query_key_value`` + ``dense`` attention (GPT-NeoX, Falcon)."""
+    out = [f"{prefix}{attn}.query_key_value.weight", f"{prefix}{attn}.dense.weight"]
+    if with_bias:
+        out += [f"{prefix}{attn}.query_key_value.bias", f"{prefix}{attn}.dense.bias"]
+    return out
+
+
 class Adapter:
     """Base adapter. Subclasses set ``architectures`` and override what differs."""
 

@@ -4,7 +4,7 @@ from collections.abc import Mapping
 
 import torch
 
-from attnid.adapters.base import Adapter, Config, cfg, merge_heads_out, split_heads_out
+from attnid.adapters.base import Adapter, Config, cfg, fused_names, merge_heads_out, split_heads_out
 from attnid.adapters.registry import register
 from attnid.spec import AttentionSpec
 from attnid.symmetry.weights import AttentionWeights
@@ -48,11 +48,7 @@ class Falcon(Adapter):
         return small
 
     def names(self, i: int, spec: AttentionSpec) -> list[str]:
-        p = self.layer_prefix.format(i=i)
-        out = [f"{p}self_attention.query_key_value.weight", f"{p}self_attention.dense.weight"]
-        if spec.bias:
-            out += [f"{p}self_attention.query_key_value.bias", f"{p}self_attention.dense.bias"]
-        return out
+        return fused_names(self.layer_prefix.format(i=i), "self_attention", bool(spec.bias))
 
     def read(self, t: Mapping[str, torch.Tensor], i: int, spec: AttentionSpec) -> AttentionWeights:
         p = self.layer_prefix.format(i=i)
@@ -61,8 +57,12 @@ class Falcon(Adapter):
         m = H // G  # every Falcon layout is [G, m queries + key + value, dk] (MQA: G = 1)
         X = W.reshape(G, m + 2, dk, d).transpose(-1, -2)
         Wq, Wk, Wv = X[:, :m].reshape(H, d, dk), X[:, m], X[:, m + 1]
-        return AttentionWeights(spec, W_Q=Wq, W_K=Wk, W_V=Wv,
-                                W_O=split_heads_out(t[f"{p}self_attention.dense.weight"], H))
+        w = dict(W_Q=Wq, W_K=Wk, W_V=Wv, W_O=split_heads_out(t[f"{p}self_attention.dense.weight"], H))
+        if spec.bias:  # the fused bias follows the same [G, m + 2, dk] layout
+            b = t[f"{p}self_attention.query_key_value.bias"].reshape(G, m + 2, dk)
+            w.update(b_Q=b[:, :m].reshape(H, dk), b_K=b[:, m], b_V=b[:, m + 1],
+                     b_O=t[f"{p}self_attention.dense.bias"])
+        return AttentionWeights(spec, **w)
 
     def write(self, w: AttentionWeights, i: int) -> dict[str, torch.Tensor]:
         p = self.layer_prefix.format(i=i)
@@ -71,8 +71,13 @@ class Falcon(Adapter):
         m = H // G
         X = torch.cat([w.W_Q.reshape(G, m, d, dk), w.W_K[:, None], w.W_V[:, None]], dim=1)
         W = X.transpose(-1, -2).reshape(-1, d)
-        return {f"{p}self_attention.query_key_value.weight": W,
-                f"{p}self_attention.dense.weight": merge_heads_out(w.W_O)}
+        out = {f"{p}self_attention.query_key_value.weight": W,
+               f"{p}self_attention.dense.weight": merge_heads_out(w.W_O)}
+        if s.bias:
+            b = torch.cat([w.b_Q.reshape(G, m, dk), w.b_K[:, None], w.b_V[:, None]], dim=1)
+            out[f"{p}self_attention.query_key_value.bias"] = b.reshape(-1)
+            out[f"{p}self_attention.dense.bias"] = w.b_O
+        return out
 
     def attention_of(self, model):
         holder, _ = super().attention_of(model)

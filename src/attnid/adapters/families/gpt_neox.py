@@ -8,6 +8,7 @@ from attnid.adapters.base import (
     Adapter,
     Config,
     cfg,
+    fused_names,
     merge_heads_out,
     rope_param,
     split_heads_out,
@@ -47,11 +48,7 @@ class GPTNeoX(Adapter):
         return small
 
     def names(self, i: int, spec: AttentionSpec) -> list[str]:
-        p = self.layer_prefix.format(i=i)
-        out = [f"{p}attention.query_key_value.weight", f"{p}attention.dense.weight"]
-        if spec.bias:
-            out += [f"{p}attention.query_key_value.bias", f"{p}attention.dense.bias"]
-        return out
+        return fused_names(self.layer_prefix.format(i=i), "attention", bool(spec.bias))
 
     def read(self, t: Mapping[str, torch.Tensor], i: int, spec: AttentionSpec) -> AttentionWeights:
         p = self.layer_prefix.format(i=i)
