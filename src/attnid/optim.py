@@ -26,7 +26,7 @@ from attnid.attention import Attention
 from attnid.errors import AttnidError
 from attnid.spec import AttentionSpec
 from attnid.symmetry.conserved import metrics
-from attnid.symmetry.projection import project
+from attnid.symmetry.projection import project, remove_tangent
 from attnid.symmetry.rebalance import rebalance
 from attnid.symmetry.weights import AttentionWeights
 
@@ -172,14 +172,8 @@ class Corrector:
         self.steps += 1
         if self.mode == "project":
             after = self.batches.snapshot()
-            fixed = []
-            for w0, w1 in zip(before, after, strict=True):
-                delta = w1 - w0
-                normal = dict(delta.items())
-                for side in ("qk", "vo"):
-                    normal.update(project(w0, delta, side, near=self.near).normal)
-                fixed.append(w0 + delta.replace(**normal))
-            self.batches.write(fixed)
+            self.batches.write([w0 + remove_tangent(w0, w1 - w0, near=self.near)
+                                for w0, w1 in zip(before, after, strict=True)])
         elif self.mode == "rebalance" and self.steps % self.every == 0:
             self.batches.write([rebalance(w, mode="auto") for w in self.batches.snapshot()])
 

@@ -54,7 +54,7 @@ def random_gauge(w: AttentionWeights, *, scale: float = 0.5, seed: int = 0,
         beta = bias_shift * rnd(G, dv)
         if w.b_O is None:  # only shifts that the other groups' biases cannot see
             tmap = TangentMap(w.replace(W_O=_gauged_out(w.W_O, out["C"], s.group_size)), "vo")
-            basis = tmap._beta_basis()  # [..., G*dv, k]
+            basis = tmap.beta_basis  # [..., G*dv, k]
             coef = (basis.transpose(-1, -2) @ beta.reshape(*b, -1, 1))
             beta = (basis @ coef).reshape(*b, G, dv)
         out["beta"] = beta

@@ -104,7 +104,7 @@ class TangentMap:
             return out
         out = {"C": z(G, dv, dv)}
         if w.b_V is not None:
-            out["beta"] = z(G, dv) if w.b_O is not None else z(self._beta_basis().shape[-1])
+            out["beta"] = z(G, dv) if w.b_O is not None else z(self.beta_basis.shape[-1])
         return out
 
     def constrain(self, g: Gens) -> Gens:
@@ -120,13 +120,7 @@ class TangentMap:
         return out
 
     @cached_property
-    def _beta_basis_cached(self) -> torch.Tensor:
-        return self._beta_basis_compute()
-
-    def _beta_basis(self) -> torch.Tensor:
-        return self._beta_basis_cached
-
-    def _beta_basis_compute(self) -> torch.Tensor:
+    def beta_basis(self) -> torch.Tensor:
         """Without b_O: orthonormal basis ``[..., G*dv, k]`` of admissible value-bias shifts."""
         s, w = self.spec, self.w
         wsum = group_sum_out(w)  # [..., G, dv, d]
@@ -222,14 +216,14 @@ class TangentMap:
                     out["beta"] = back + torch.einsum("...gvhu,...hu->...gv", gr["WW"], beta)
                 else:
                     flat = back.reshape(*w.batch_shape, -1, 1)
-                    out["beta"] = (self._beta_basis().transpose(-1, -2) @ flat).squeeze(-1)
+                    out["beta"] = (self.beta_basis.transpose(-1, -2) @ flat).squeeze(-1)
         return self.constrain(out)
 
     def _beta(self, g: Gens) -> torch.Tensor:
         s = self.spec
         if self.w.b_O is not None:
             return g["beta"]
-        flat = (self._beta_basis() @ g["beta"].unsqueeze(-1)).squeeze(-1)
+        flat = (self.beta_basis @ g["beta"].unsqueeze(-1)).squeeze(-1)
         return flat.reshape(*self.w.batch_shape, s.n_kv_heads, s.v_head_dim)
 
     def adjoint(self, d: dict[str, torch.Tensor]) -> Gens:
@@ -271,7 +265,7 @@ class TangentMap:
                 g["beta"] = beta
             else:
                 flat = beta.reshape(*w.batch_shape, -1)
-                g["beta"] = (self._beta_basis().transpose(-1, -2) @ flat.unsqueeze(-1)).squeeze(-1)
+                g["beta"] = (self.beta_basis.transpose(-1, -2) @ flat.unsqueeze(-1)).squeeze(-1)
         return g
 
 

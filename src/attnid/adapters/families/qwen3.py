@@ -31,7 +31,7 @@ class Qwen3(Adapter):
 
     def read(self, t: Mapping[str, torch.Tensor], i: int, spec: AttentionSpec) -> AttentionWeights:
         p = self.layer_prefix.format(i=i)
-        w = super().read({**t, **{}}, i, AttentionSpec(**{**spec.to_dict(), "qk_norm": "none"}))
+        w = super().read(t, i, AttentionSpec(**{**spec.to_dict(), "qk_norm": "none"}))
         gains = {"g_Q": t[f"{p}self_attn.q_norm.weight"], "g_K": t[f"{p}self_attn.k_norm.weight"]}
         return AttentionWeights.from_tensors(spec, {**dict(w.items()), **gains})
 
