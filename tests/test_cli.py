@@ -47,6 +47,15 @@ def test_verify_json_contract_and_exit_code(capsys):
     assert data["unidentified_numeric"] == data["unidentified_theory"]
 
 
+def test_verify_wide_qk_norm_under_rope(capsys):
+    # head_dim > d_model with QK-norm and RoPE: once refused, now counted and checked
+    code, out, _ = run(capsys, "verify", "--d-model", "4", "--heads", "2", "--head-dim", "6",
+                       "--rope", "1", "--qk-norm", "head", "--qk-norm-eps", "0", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["agree"] is True, data
+    assert data["unidentified_numeric"] == data["unidentified_theory"]
+
+
 @pytest.mark.parametrize("args", [
     ["count", "--d-model", "10", "--heads", "3"],
     ["count", "--d-model", "12", "--heads", "4", "--kv-heads", "3"],
@@ -56,8 +65,8 @@ def test_verify_json_contract_and_exit_code(capsys):
     ["count", "--d-model", "8", "--heads", "two"],
     ["count", "--d-model", "8"],
     ["verify", "--d-model", "8", "--heads", "3"],
-    ["verify", "--d-model", "4", "--heads", "2", "--head-dim", "6", "--rope", "1",
-     "--qk-norm", "head"],
+    ["count", "--d-model", "8", "--heads", "2", "--qk-norm", "layer"],
+    ["count", "--d-model", "8", "--heads", "2", "--rope", "1.5"],
 ])
 def test_user_errors_give_one_line_and_exit_2(capsys, args):
     code, _out, err = run(capsys, *args)

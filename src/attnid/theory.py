@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from attnid.errors import AttnidError
+from attnid.qknorm_wide import qk_nullity
 from attnid.spec import AttentionSpec
 
 
@@ -134,23 +134,12 @@ def _qk_components(spec: AttentionSpec) -> dict[str, Component]:
         )
         out["qk_norm_gain_transfer"] = Component(gains, p + r // 2)
         return _reorder(out)
-    if r or m > 1:
-        raise AttnidError(
-            "no closed form for QK-norm with head_dim > d_model under RoPE or GQA "
-            "(a known limit); "
-            "count such a layer numerically with attnid.jacobian_rank"
-        )
-    # head_dim > d_model: each head's (bias-augmented) quadratic forms W W^T and the
-    # products W_Q diag(g) W_K^T are all that the scores see; up to one scale per
-    # query head and per key group, they are free (a = d + [q], b = d + [k]). With a
-    # bias, eps only shifts the constant entry of the quadratic form, which the
-    # spare head dims absorb: that side's scales are then exact even for eps > 0.
-    a, b = d + (1 if has_q else 0), d + (1 if has_k else 0)
-    seen = G * (m * a * b + m * a * (a + 1) // 2 + b * (b + 1) // 2)
-    near = (0 if exact_scales or has_q else H) + (0 if exact_scales or has_k else G)
-    null = weights + key_bias + gains - seen + scales - near
-    out["qk_gauge"] = Component(weights, null, near)
-    out["qk_norm_gain_transfer"] = Component(gains, 0)
+    # head_dim > d_model: the norm sees only the bias-augmented quadratic forms and the
+    # bilinear forms, which are no longer free; qknorm_wide counts their fibre.
+    exact, near = qk_nullity(spec)
+    transfer = p + r // 2
+    out["qk_gauge"] = Component(weights, exact - transfer, near)
+    out["qk_norm_gain_transfer"] = Component(gains, transfer)
     return _reorder(out)
 
 
