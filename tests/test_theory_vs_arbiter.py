@@ -66,9 +66,10 @@ def specs(draw) -> AttentionSpec:
     dk = 2 * draw(st.integers(1, 3))
     rope = draw(st.sampled_from([0.0, 1.0] + ([0.5] if dk % 4 == 0 else [])))
     norm = draw(st.sampled_from(["none", "head"]))
-    # with head_dim > d_model some scales are broken only at second order in eps: 1e-6
-    # would push them under the float64 threshold, so that corner draws eps 0 or 1e-3
-    eps = draw(st.sampled_from([0.0, 1e-3])) if norm == "head" and dk > d else 1e-6
+    # with head_dim > d_model some scales are broken only at second order in eps, which a
+    # random draw can push under the float64 threshold: that corner draws eps = 0 here, and
+    # tests/test_qknorm_wide.py checks its eps > 0 split on fixed cases
+    eps = 0.0 if norm == "head" and dk > d else 1e-6
     return AttentionSpec(
         d_model=d, n_heads=H, n_kv_heads=G, head_dim=dk, v_head_dim=draw(st.integers(1, 4)),
         bias=draw(st.sets(st.sampled_from("qkvo"))), rope=rope,
