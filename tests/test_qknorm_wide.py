@@ -96,10 +96,10 @@ WIDE = [
 ]
 
 
-def _wide_spec(case, eps: float = 0.0) -> AttentionSpec:
+def _wide_spec(case, eps: float = 0.0, pairing: str = "half") -> AttentionSpec:
     d, H, G, dk, rope, bias = case
     return AttentionSpec(d_model=d, n_heads=H, n_kv_heads=G, head_dim=dk, rope=rope, bias=bias,
-                         qk_norm="head", qk_norm_eps=eps)
+                         rope_pairing=pairing, qk_norm="head", qk_norm_eps=eps)
 
 
 @pytest.mark.parametrize("case", WIDE, ids=lambda c: _wide_spec(c).describe())
@@ -120,12 +120,14 @@ def test_fibre_equals_the_invariant_map_rank(case):
 
 # eps = 0 (exact scales) and eps = 1e-3: some scale directions are broken only at second
 # order in eps, so eps = 1e-6 would push them under the arbiter's float64 threshold.
-ARBITER = [(c, 0.0) for c in WIDE[::2]] + [(c, 1e-3) for c in WIDE[1::2]]
+# Counts do not depend on the RoPE pairing; the arbiter sees both.
+ARBITER = [(c, 0.0, "half") for c in WIDE[::4]] + [(c, 0.0, "interleaved") for c in WIDE[2::4]]
+ARBITER += [(c, 1e-3, "half") for c in WIDE[1::4]] + [(c, 1e-3, "interleaved") for c in WIDE[3::4]]
 
 
-@pytest.mark.parametrize("case,eps", ARBITER, ids=lambda c: str(c))
-def test_wide_qk_norm_count_equals_arbiter(case, eps: float):
-    spec = _wide_spec(case, eps)
+@pytest.mark.parametrize("case,eps,pairing", ARBITER, ids=lambda c: str(c))
+def test_wide_qk_norm_count_equals_arbiter(case, eps: float, pairing: str):
+    spec = _wide_spec(case, eps, pairing)
     result = verify(spec, seed=2, confirm=False)
     theory, found = result.theory, result.arbiter
     assert (found.nullity, found.near_nullity) == (theory.unidentified, theory.near_unidentified), (
