@@ -162,8 +162,11 @@ def fibre(spec: AttentionSpec, *, free_q: bool = False, free_k: bool = False) ->
     extra = [1] * lq
     s2 = sym2_sum_dim
     if p > b:
-        # Spare pass-through rows: each head's Q_h gains a free rank-n0 term, and the key
-        # side's pass block can follow any change of K_g and of the metric it induces.
+        # Spare pass-through rows: each head's Q_h gains a free rank-n0 term (stab: its
+        # stabiliser), and the key side's pass block can follow any change of K_g and of the
+        # metric it induces. Query heads see `free` = a - n0 dims; j_planes / j_lines: rank
+        # of the group's query equations with full plane coefficients / with only the two
+        # directions (s, t) per plane that the group's own unknowns move.
         n0 = p - b
         stab = n0 * (n0 - 1) // 2 if n0 <= a else a * n0 - a * (a + 1) // 2
         free = max(0, a - n0)
@@ -177,7 +180,10 @@ def fibre(spec: AttentionSpec, *, free_q: bool = False, free_k: bool = False) ->
         shared = max(0, planes - G * (j_planes - j_lines))
         return H * stab + 2 * p + G * (b * p - b * (b + 1)) + 3 * planes + shared + G * own
     # p <= b: every query row is fixed by the bilinear data; the key side's pass block
-    # moves only inside its own span (B^p -> B^p X).
+    # moves only inside its own span (B^p -> B^p X). Per group, the coefficients are 3 per
+    # plane and Sym(p) on each side; k_q / k_k: coefficients the query heads / the key side
+    # cannot see (side kernels), k_q_pass: the pass-only part of k_q, y_q: what of k_q the
+    # group's own unknowns cannot absorb; _meet couples the groups through the shared gains.
     seen = min(a, p)
     plane_block = planes * s2(2, (min(2, a),) * m)
     j_q = _joint_rank(a, m, [2] * planes + [seen] + extra,
