@@ -64,18 +64,19 @@ def verify_module(module: torch.nn.Module, theory: Count, *, label: str, seed: i
                   **arbiter_kwargs: Any) -> Verification:
     """Randomize ``module`` (it must be the arbiter's own copy), count numerically, compare.
 
-    ``without_eps(module)`` returns a copy whose norms have epsilon 0 (same weights);
-    when given, near-unidentified directions are counted by their definition: the
-    directions that are exactly null without the epsilon but not with it.
+    Near-unidentified directions are counted only by their definition, never by a
+    singular-value band (a small but genuine direction is not "near"): ``without_eps(module)``
+    returns a copy whose norms have epsilon 0 (same weights), and the near directions are
+    those exactly null without the epsilon but not with it; without it there are none.
     """
     start = time.perf_counter()
 
     def one(s: int, **kw: Any) -> ArbiterResult:
         randomize_(module, s)
-        found = jacobian_rank(module, seed=s, **kw)
+        found = jacobian_rank(module, seed=s, near_rtol=0.0, **kw)
         if without_eps is None:
             return found
-        exact = jacobian_rank(without_eps(module), seed=s, **kw).nullity
+        exact = jacobian_rank(without_eps(module), seed=s, near_rtol=0.0, **kw).nullity
         near = max(exact - found.nullity, 0)
         return replace(found, near_nullity=near, rank=found.n_params - found.nullity - near)
 
@@ -98,8 +99,6 @@ def verify(spec: AttentionSpec, *, seed: int = 0, confirm: bool = True) -> Verif
             copy = Attention(replace(spec, qk_norm_eps=0.0)).double()
             copy.load_state_dict(layer.state_dict())
             return copy
-    # Near-unidentified directions are counted by their definition (eps_free), never
-    # by the singular-value band: a small but genuine direction is not "near".
     return verify_module(Attention(spec).double(), count(spec), label=spec.describe(),
                          seed=seed, confirm=confirm, without_eps=eps_free,
-                         d_model=spec.d_model, near_rtol=0.0)
+                         d_model=spec.d_model)

@@ -35,17 +35,9 @@ def verify_hf_config(model: str, *, seed: int = 0, confirm: bool = True) -> Veri
 
     kwargs: dict[str, Any] = dict(forward=forward, d_model=spec.d_model,
                                   rtol=EXACT_RTOL[adapter.working_precision])
-    result = verify_module(module, count(spec), label=f"{name} ({type(module).__name__} of "
-                           f"{adapter.family}, reduced: {spec.describe()})", seed=seed,
-                           confirm=confirm, without_eps=without_eps, **kwargs)
-    if without_eps is None:  # no norm: nothing can be near-null by definition
-        from dataclasses import replace
-
-        result = replace(result, arbiter=replace(result.arbiter, near_nullity=0),
-                         confirm=None if result.confirm is None else
-                         replace(result.confirm, near_nullity=0))
-    return result
-
+    return verify_module(module, count(spec), label=f"{name} ({type(module).__name__} of "
+                         f"{adapter.family}, reduced: {spec.describe()})", seed=seed,
+                         confirm=confirm, without_eps=without_eps, **kwargs)
 
 def numeric_hf_count(adapter: Any, config: dict[str, Any], *, seed: int = 0) -> dict[str, Any]:
     """The arbiter's count of one attention layer of a *reduced* config, on Hugging Face's own
