@@ -20,7 +20,7 @@ import time
 import torch
 
 from attnid import Attention, AttentionSpec, count, jacobian_rank, randomize_
-from attnid.numeric import default_forward, forward_call, sequences_needed
+from attnid.arbiter.rank import default_forward, forward_call, sequences_needed
 
 
 def naive(layer: Attention, x: torch.Tensor) -> int:

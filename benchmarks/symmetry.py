@@ -16,7 +16,7 @@ import time
 import torch
 
 from attnid import AttentionSpec
-from attnid.optim import Monitor
+from attnid.monitor import Monitor
 from attnid.symmetry import AttentionWeights, metrics, project, rebalance
 from attnid.train.model import GPT, GPTConfig
 
@@ -134,8 +134,8 @@ def main() -> None:
               f"{r_batch * 1e3:.1f} ms, speed-up {r_loop / r_batch:.2f}x (max rho diff {err:.1e})")
         if args.quick and L == 12:
             continue
-        cfg = GPTConfig(vocab_size=78 if L == 6 else 50257, n_layer=L, n_head=spec.n_heads,
-                        n_embd=spec.d_model, block_size=256, attn_bias="qkvo")
+        cfg = GPTConfig(vocab_size=78 if L == 6 else 50257, n_layers=L, n_heads=spec.n_heads,
+                        d_model=spec.d_model, block_size=256, attn_bias="qkvo")
         t_step, t_measure = training_share(cfg, batch)
         print(f"  measuring every step: {t_measure * 1e3:.0f} ms on a {t_step:.2f} s AdamW step "
               f"(batch {batch}x256) = {100 * t_measure / t_step:.1f}% of the step")

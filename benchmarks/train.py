@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attnid.optim import Monitor
+from attnid.monitor import Monitor
 from attnid.train.model import GPT, GPTConfig
 
 
@@ -37,7 +37,7 @@ class PlainAttention(nn.Module):
 def plain_gpt(cfg: GPTConfig) -> GPT:
     model = GPT(cfg)
     for block in model.blocks:
-        block.attn = PlainAttention(cfg.n_embd, cfg.n_head)
+        block.attn = PlainAttention(cfg.d_model, cfg.n_heads)
     return model
 
 
@@ -73,13 +73,13 @@ def _timed(fn) -> float:
 def main() -> None:
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}")
     for label, kw, batch in (
-        ("tiny (experiment default)", dict(n_layer=2, n_head=4, n_embd=64, block_size=64), 32),
-        ("nanoGPT Shakespeare-char", dict(n_layer=6, n_head=6, n_embd=384, block_size=256), 64),
+        ("tiny (experiment default)", dict(n_layers=2, n_heads=4, d_model=64, block_size=64), 32),
+        ("nanoGPT Shakespeare-char", dict(n_layers=6, n_heads=6, d_model=384, block_size=256), 64),
     ):
         cfg = GPTConfig(vocab_size=78, attn_bias="qkvo", **kw)
         torch.manual_seed(0)
         idx = torch.randint(0, 78, (batch, cfg.block_size))
-        n = 10 if kw["n_embd"] < 128 else 3
+        n = 10 if kw["d_model"] < 128 else 3
         plain, ours = plain_gpt(cfg), GPT(cfg)
         t_plain, t_ours = [], []
         for _ in range(2):  # interleaved, so that machine noise hits both alike

@@ -1,4 +1,4 @@
-"""Check attnid.qknorm_wide against the exact rank of the invariant map on random layers.
+"""Check attnid.theory.qknorm_wide against the exact rank of the invariant map on random layers.
 
     .venv/bin/python scripts/check_qknorm_wide.py [N] [SEED]
 
@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from attnid import AttentionSpec
-from attnid.qknorm_wide import fibre
+from attnid.theory.qknorm_wide import fibre
 from test_qknorm_wide import _invariant_jacobian, _rank
 
 

@@ -90,7 +90,7 @@ def test_console_entry_points():
 def test_verify_exits_1_when_theory_and_arbiter_disagree(capsys, monkeypatch):
     import dataclasses
 
-    import attnid.verify as v
+    import attnid.arbiter.compare as v
 
     real = v.verify
 

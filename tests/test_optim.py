@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from attnid import Attention, AttentionSpec, AttnidError
-from attnid.optim import Corrector, Monitor, parse_mode
+from attnid.monitor import Corrector, Monitor, parse_mode
 from attnid.symmetry import AttentionWeights, metrics
 
 

@@ -1,6 +1,6 @@
 """QK-norm with head_dim > d_model: the count against two independent numerical checks.
 
-1. The invariant map (what the normalised scores see, see ``attnid.qknorm_wide``): the
+1. The invariant map (what the normalised scores see, see ``attnid.theory.qknorm_wide``): the
    exact rank of its Jacobian at a random point gives the fibre dimension directly.
 2. The arbiter on ``attnid.Attention`` itself, which needs no reduction at all.
 """
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from attnid import AttentionSpec, count
-from attnid.qknorm_wide import fibre, sym2_sum_dim
-from attnid.verify import verify
+from attnid.arbiter.compare import verify
+from attnid.theory.qknorm_wide import fibre, sym2_sum_dim
 
 
 def _span_dim(n: int, dims: tuple[int, ...], seed: int = 0) -> int:

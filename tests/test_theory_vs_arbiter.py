@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from attnid import Attention, AttentionSpec, count, jacobian_rank, randomize_
-from attnid.verify import verify
+from attnid.arbiter.compare import verify
 from grid import grid
 
 GRID = grid()

@@ -1,19 +1,28 @@
 """attnid: which attention parameters are identified, and what optimizers do with the rest."""
 
+from importlib.metadata import PackageNotFoundError, version
+
+from attnid.arbiter import ArbiterResult, Verification, jacobian_rank, randomize_, verify
 from attnid.attention import Attention
 from attnid.errors import AttnidError
-from attnid.numeric import ArbiterResult, jacobian_rank, randomize_
 from attnid.spec import AttentionSpec
-from attnid.theory import Count, count
+from attnid.theory import Component, Count, count
 
 __all__ = [
     "ArbiterResult",
     "Attention",
     "AttentionSpec",
     "AttnidError",
+    "Component",
     "Count",
+    "Verification",
     "count",
     "jacobian_rank",
     "randomize_",
+    "verify",
 ]
-__version__ = "0.1.0"
+
+try:
+    __version__ = version("attnid")
+except PackageNotFoundError:  # running from a source tree that was never installed
+    __version__ = "0+unknown"

@@ -51,3 +51,35 @@ def apply_rope(
         x1, x2 = rot[..., 0::2], rot[..., 1::2]
         rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
     return torch.cat((rotated, rest), dim=-1)
+
+
+def project_commutant(M: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
+    """Orthogonal projection of ``[..., dk, dk]`` onto the matrices commuting with every RoPE rotation.
+
+    Pass-through block: free. Each rotated plane: ``a I + b J``. Everything else: 0.
+    """
+    r = spec.rope_dims
+    if r == 0:
+        return M
+    out = torch.zeros_like(M)
+    out[..., r:, r:] = M[..., r:, r:]
+    i1, i2 = plane_dims(spec)
+    a = 0.5 * (M[..., i1, i1] + M[..., i2, i2])
+    b = 0.5 * (M[..., i1, i2] - M[..., i2, i1])
+    out[..., i1, i1] = a
+    out[..., i2, i2] = a
+    out[..., i1, i2] = b
+    out[..., i2, i1] = -b
+    return out
+
+
+def project_tied(t: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
+    """Orthogonal projection of ``[..., dk]`` onto vectors equal on both dims of each plane."""
+    if spec.rope_dims == 0:
+        return t
+    i1, i2 = plane_dims(spec)
+    out = t.clone()
+    mean = 0.5 * (t[..., i1] + t[..., i2])
+    out[..., i1] = mean
+    out[..., i2] = mean
+    return out

@@ -26,7 +26,7 @@ from attnid.adapters.registry import adapter_for
 from attnid.errors import AttnidError
 from attnid.io import all_names, read_bytes, read_header, read_tensor, weight_files, write_streaming
 from attnid.symmetry.rebalance import drop_key_bias, fold_value_bias, rebalance_qk, rebalance_vo
-from attnid.symmetry.weights import AttentionWeights
+from attnid.weights import AttentionWeights
 
 # per-layer tolerance on the relative output error, by checkpoint dtype
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}

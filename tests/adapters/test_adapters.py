@@ -11,7 +11,7 @@ from attnid import AttnidError, count
 from attnid.adapters import adapter_for
 from attnid.adapters.base import build_hf_model
 from attnid.adapters.config import bundled, load_config
-from attnid.adapters.verify import verify_hf_config
+from attnid.adapters.reduced import verify_hf_config
 from attnid.cli import main
 from attnid.report.models import model_report
 
@@ -135,7 +135,7 @@ FALCON_VARIANTS = {
 @pytest.mark.parametrize("name", ONE_PER_FAMILY + list(FALCON_VARIANTS))
 def test_canonical_layout_computes_what_hugging_face_computes(name):
     """HF's attention module and attnid.Attention on the adapter's canonical weights agree."""
-    from attnid.numeric import randomize_
+    from attnid.arbiter.rank import randomize_
 
     c = FALCON_VARIANTS[name] if name in FALCON_VARIANTS else load_config(name)[1]
     adapter = adapter_for(c)

@@ -7,7 +7,7 @@ import torch
 from variants import IDS, VARIANTS
 
 from attnid import Attention, AttentionSpec, randomize_
-from attnid.numeric import default_forward, forward_call
+from attnid.arbiter.rank import default_forward, forward_call
 from attnid.symmetry import AttentionWeights, metrics
 
 

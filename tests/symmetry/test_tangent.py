@@ -7,7 +7,7 @@ import torch
 from variants import IDS, ORBIT_GRID, VARIANTS
 
 from attnid import Attention, AttentionSpec, count, jacobian_rank, randomize_
-from attnid.numeric import default_forward, forward_call
+from attnid.arbiter.rank import default_forward, forward_call
 from attnid.symmetry import AttentionWeights, project, tangent_basis
 
 

@@ -18,7 +18,7 @@ from attnid.train.data import SHA256, corpus, shakespeare
 from attnid.train.loop import TrainConfig, train
 from attnid.train.model import GPT, GPTConfig
 
-TINY = GPTConfig(n_layer=1, n_head=4, n_embd=32, block_size=16)
+TINY = GPTConfig(n_layers=1, n_heads=4, d_model=32, block_size=16)
 PER_HEAD = ["rho_qk", "rho_vo", "beta_qk", "beta_vo", "tau_qk", "tau_vo", "mu_qk", "drift_qk",
             "drift_vo"]
 
@@ -36,7 +36,7 @@ def test_corpus_is_shipped_and_batches_are_deterministic():
     assert torch.equal(a[0], b[0]) and torch.equal(a[0][:, 1:], a[1][:, :-1])
 
 
-@pytest.mark.parametrize("overrides", [{}, {"rope": 1.0}, {"n_kv_head": 2, "rope": 0.5},
+@pytest.mark.parametrize("overrides", [{}, {"rope": 1.0}, {"n_kv_heads": 2, "rope": 0.5},
                                        {"qk_norm": "head", "attn_bias": "qkvo"}], ids=str)
 def test_model_variants_run(overrides):
     model = GPT(GPTConfig(**{**TINY.to_dict(), **overrides, "vocab_size": 78}))
@@ -52,7 +52,7 @@ def test_train_writes_config_and_metrics_schema(tmp_path, capsys):
                  "--lr", "0.1", "--bias", "qk", "--no-progress"])
     assert code == 0
     cfg = TrainConfig.from_dict(json.loads((out / "config.json").read_text()))
-    assert cfg.optimizer == "sgd" and cfg.model.n_layer == 1
+    assert cfg.optimizer == "sgd" and cfg.model.n_layers == 1
     recs = _records(out)
     assert [r["step"] for r in recs] == [1, 4, 8, 12]
     for r in recs:

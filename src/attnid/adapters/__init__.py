@@ -1,5 +1,10 @@
-"""Hugging Face model families: configs -> specs, checkpoints <-> the canonical layout."""
+"""Hugging Face model families: configs -> specs, checkpoints <-> the canonical layout.
 
+Importing this package registers every family (`families/`) and the layer finder that lets
+`attnid.monitor` see Hugging Face models (`hooks`).
+"""
+
+from attnid.adapters import families, hooks  # noqa: F401  (each registers itself)
 from attnid.adapters.base import Adapter
 from attnid.adapters.registry import adapter_for, register, supported
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from attnid.errors import AttnidError
 from attnid.spec import AttentionSpec
-from attnid.symmetry.weights import AttentionWeights
+from attnid.weights import AttentionWeights
 
 Config = dict[str, Any]
 HFForward = Callable[[nn.Module, torch.Tensor], torch.Tensor]

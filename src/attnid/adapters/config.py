@@ -12,7 +12,7 @@ from attnid.errors import AttnidError
 
 def bundled() -> list[str]:
     """Names of the bundled configs (public config numbers, no weights)."""
-    root = resources.files("attnid.models")
+    root = resources.files("attnid.configs")
     return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".json"))
 
 
@@ -31,7 +31,7 @@ def load_config(model: str) -> tuple[str, dict[str, Any]]:
     names = {n.lower(): n for n in bundled()}
     if model.lower() in names:
         name = names[model.lower()]
-        text = resources.files("attnid.models").joinpath(f"{name}.json").read_text()
+        text = resources.files("attnid.configs").joinpath(f"{name}.json").read_text()
         return name, json.loads(text)
     raise AttnidError(f"no config at {model!r} and no bundled model of that name "
                       f"(bundled: {', '.join(bundled())})")

@@ -1,12 +1,13 @@
-"""Let `attnid.optim.Monitor` / `Corrector` find the attention layers of a transformers model."""
+"""Registers, in `attnid.layers`, a finder for the attention layers of a transformers model."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from attnid.adapters.registry import adapter_for
 from attnid.errors import AttnidError
-from attnid.optim import LayerAccessor, register_layer_finder
+from attnid.layers import LayerAccessor, register_layer_finder
 
 
 @register_layer_finder
@@ -15,8 +16,6 @@ def hf_layers(model: nn.Module) -> list[LayerAccessor]:
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_dict"):
         return []
-    from attnid.adapters.registry import adapter_for
-
     try:
         adapter = adapter_for(config.to_dict())
     except AttnidError:

@@ -21,8 +21,6 @@ def supported() -> list[str]:
 
 def adapter_for(config: Config) -> Adapter:
     """The adapter for a config, by its ``architectures`` (or, failing that, ``model_type``)."""
-    from attnid.adapters import families  # noqa: F401  (registers every family)
-
     for arch in config.get("architectures") or []:
         if arch in _REGISTRY:
             adapter = _REGISTRY[arch]()

@@ -40,7 +40,7 @@ def _numeric_report(name: str, config: dict[str, Any], adapter: Any, with_params
     import torch
 
     from attnid.adapters.base import build_hf_model, find_first
-    from attnid.adapters.verify import numeric_hf_count
+    from attnid.adapters.reduced import numeric_hf_count
 
     with torch.device("meta"):
         attn = find_first(build_hf_model(adapter.model_type, dict(config, num_hidden_layers=1)),

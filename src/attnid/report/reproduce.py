@@ -21,12 +21,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import torch
 
+from attnid.arbiter.compare import verify
+from attnid.arbiter.rank import randomize_
 from attnid.attention import Attention
-from attnid.numeric import randomize_
 from attnid.report.training import markdown_table, write_table
 from attnid.spec import AttentionSpec
 from attnid.theory import count
-from attnid.verify import verify
 
 Claim = dict[str, Any]
 

@@ -39,7 +39,7 @@ def load_run(run_dir: Path) -> dict[str, np.ndarray]:
     return out
 
 
-def _panel_row(axes, run: dict, side: str, n_head: int) -> None:
+def _panel_row(axes, run: dict, side: str, n_heads: int) -> None:
     s = run["step"]
     ax = axes[0]
     ax.plot(s, run["loss"], lw=1, label="train")
@@ -51,7 +51,7 @@ def _panel_row(axes, run: dict, side: str, n_head: int) -> None:
     rho = run[f"rho_{side}"]
     ax.plot(s, np.median(rho, 1), lw=1, label=f"median rho_{side}")
     ax.fill_between(s, rho.min(1), rho.max(1), alpha=0.2)
-    ax.axhline(1 / (2 * n_head), color="k", ls="--", lw=0.8, label="1/(2H)")
+    ax.axhline(1 / (2 * n_heads), color="k", ls="--", lw=0.8, label="1/(2H)")
     ax.set_yscale("symlog", linthresh=1e-6)
     ax.set_ylim(0, 1.05)  # a share: rebalancing steps show as 1 (the move is all orbit)
     ax2 = ax.twinx()
@@ -65,10 +65,10 @@ def _panel_row(axes, run: dict, side: str, n_head: int) -> None:
         axes[j].set_ylabel(f"{name}_{side}")
 
 
-def fig2(runs: dict[str, dict], cases: list[str], side: str, n_head: int, path: Path, title: str) -> None:
+def fig2(runs: dict[str, dict], cases: list[str], side: str, n_heads: int, path: Path, title: str) -> None:
     fig, axes = plt.subplots(len(cases), 5, figsize=(20, 3.2 * len(cases)), squeeze=False)
     for row, case in zip(axes, cases, strict=True):
-        _panel_row(row, runs[case], side, n_head)
+        _panel_row(row, runs[case], side, n_heads)
         row[0].set_title(TITLES.get(case.split("_", 1)[-1] if case.startswith(("rope_", "gqa_"))
                                     else case, case), fontsize=9, loc="left")
     for ax in axes[-1]:
@@ -180,7 +180,7 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def claims(runs: dict[str, dict], n_head: int, slopes: dict[str, float], prefix: str = "",
+def claims(runs: dict[str, dict], n_heads: int, slopes: dict[str, float], prefix: str = "",
            share: float | None = None, key_bias_free: bool = True) -> list[dict]:
     """The paper's qualitative training claims, each checked against the measured runs."""
     sgd, wd = runs[prefix + "sgd"], runs[prefix + "sgd_wd"]
@@ -198,10 +198,10 @@ def claims(runs: dict[str, dict], n_head: int, slopes: dict[str, float], prefix:
     add("SGD keeps beta_qk nearly constant", abs(b1 - b0) <= 0.05 * b0,
         f"mean beta_qk {b0:.4g} -> {b1:.4g} ({100 * (b1 - b0) / b0:+.2f}%)")
     add("weight decay makes beta_qk shrink", bw < b1, f"final mean beta_qk: SGD {b1:.4g}, SGD+wd {bw:.4g}")
-    target = 1 / (2 * n_head) if share is None else share
+    target = 1 / (2 * n_heads) if share is None else share
     add("AdamW's rho_qk is of the order of the tangent share (1/(2H) for plain MHA)",
         0.1 * target <= rho_adam <= 10 * target,
-        f"median rho_qk {rho_adam:.3g} vs tangent share {target:.3g} (1/(2H) = {1 / (2 * n_head):.3g})")
+        f"median rho_qk {rho_adam:.3g} vs tangent share {target:.3g} (1/(2H) = {1 / (2 * n_heads):.3g})")
     ba0, ba1 = adam["beta_qk"][0].mean(), adam["beta_qk"][-1].mean()
     add("AdamW makes beta_qk drift", abs(ba1 - ba0) > abs(b1 - b0),
         f"AdamW beta_qk {ba0:.4g} -> {ba1:.4g}; SGD {b0:.4g} -> {b1:.4g}")
@@ -249,7 +249,7 @@ def qk_share(spec) -> float:
     return null / params
 
 
-def write_training_report(out: Path, names: list[str], n_head: int) -> dict[str, Any]:
+def write_training_report(out: Path, names: list[str], n_heads: int) -> dict[str, Any]:
     from attnid.train.loop import TrainConfig
 
     out = Path(out)
@@ -271,23 +271,23 @@ def write_training_report(out: Path, names: list[str], n_head: int) -> dict[str,
     if sp is not None:
         slopes["same_qk"], slopes["same_vo"] = sp["slope_qk"], sp["slope_vo"]
     for side in ("qk", "vo"):
-        fig2(runs, list(PAPER), side, n_head, figs / f"fig2_{side}.png",
+        fig2(runs, list(PAPER), side, n_heads, figs / f"fig2_{side}.png",
              f"Fig. 2 ({side.upper()} side): the paper's four cases")
     fig3(runs, list(PAPER), figs / "fig3_bias_grads.png")
-    result_claims = claims(runs, n_head, slopes, share=qk_share(spec_of["adamw"]))
+    result_claims = claims(runs, n_heads, slopes, share=qk_share(spec_of["adamw"]))
     for variant in ("rope", "gqa"):
         cases = [f"{variant}_{c}" for c in PAPER]
         if all(c in runs for c in cases):
-            fig2(runs, cases, "qk", n_head, figs / f"fig2_qk_{variant}.png",
+            fig2(runs, cases, "qk", n_heads, figs / f"fig2_qk_{variant}.png",
                  f"The four cases on the {variant.upper()} variant (QK side)")
             spec = spec_of[f"{variant}_adamw"]
             free = spec.pass_dims > 0 and spec.qk_norm == "none"
-            for c in claims(runs, n_head, {}, prefix=f"{variant}_", share=qk_share(spec),
+            for c in claims(runs, n_heads, {}, prefix=f"{variant}_", share=qk_share(spec),
                             key_bias_free=free):
                 c["claim"] = f"[{variant.upper()}] " + c["claim"]
                 result_claims.append(c)
     if "adamw_project" in runs:
-        fig2(runs, ["adamw", "adamw_project"], "qk", n_head, figs / "fig_project.png",
+        fig2(runs, ["adamw", "adamw_project"], "qk", n_heads, figs / "fig_project.png",
              "AdamW with and without the project correction")
         rp = float(np.max(runs["adamw_project"]["rho_qk"][1:]))
         result_claims.append({"claim": "the project correction removes all orbit motion (rho_qk = 0)",

@@ -4,7 +4,8 @@ Everything is written once against the canonical container `AttentionWeights`, b
 over leading (layer) dims, and RoPE-, GQA-, bias- and QK-norm-aware.
 """
 
-from attnid.symmetry.conserved import conserved, grams, metrics
+from attnid.rope import project_commutant
+from attnid.symmetry.conserved import conserved, metrics
 from attnid.symmetry.gauge import Gauge, apply_gauge, random_gauge
 from attnid.symmetry.projection import Projection, project, remove_tangent
 from attnid.symmetry.rebalance import (
@@ -15,8 +16,8 @@ from attnid.symmetry.rebalance import (
     rebalance_qk,
     rebalance_vo,
 )
-from attnid.symmetry.tangent import TangentMap, project_commutant, tangent_basis
-from attnid.symmetry.weights import AttentionWeights
+from attnid.symmetry.tangent import TangentMap, tangent_basis
+from attnid.weights import AttentionWeights, grams
 
 __all__ = [
     "AttentionWeights",

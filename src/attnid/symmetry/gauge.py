@@ -10,8 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from attnid.symmetry.tangent import TangentMap, group_sum_out, pass_mask, project_commutant, project_tied
-from attnid.symmetry.weights import AttentionWeights
+from attnid.rope import project_commutant, project_tied
+from attnid.symmetry.tangent import TangentMap
+from attnid.weights import AttentionWeights, group_sum_out, pass_mask
 
 
 @dataclass(frozen=True)

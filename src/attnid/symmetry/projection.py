@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from attnid.symmetry.tangent import Gens, TangentMap, group_sum_out, pass_mask, side_names
-from attnid.symmetry.weights import AttentionWeights
+from attnid.symmetry.tangent import Gens, TangentMap, side_names
+from attnid.weights import AttentionWeights, group_sum_out, pass_mask
 
 
 def _dot(a: Gens, b: Gens, nb: int) -> torch.Tensor:

@@ -20,8 +20,7 @@ import torch
 
 from attnid.errors import AttnidError
 from attnid.rope import plane_dims
-from attnid.symmetry.tangent import group_sum_out
-from attnid.symmetry.weights import AttentionWeights
+from attnid.weights import AttentionWeights, group_sum_out
 
 Mode = Literal["auto", "gl", "commutant"]
 

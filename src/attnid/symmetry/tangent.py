@@ -27,50 +27,11 @@ from functools import cached_property
 
 import torch
 
-from attnid.rope import plane_dims
+from attnid.rope import project_commutant, project_tied
 from attnid.spec import AttentionSpec
-from attnid.symmetry.weights import AttentionWeights
+from attnid.weights import AttentionWeights, grams, group_sum_out, pass_mask
 
 Gens = dict[str, torch.Tensor]
-
-
-def project_commutant(M: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
-    """Orthogonal projection of ``[..., dk, dk]`` onto the matrices commuting with every RoPE rotation.
-
-    Pass-through block: free. Each rotated plane: ``a I + b J``. Everything else: 0.
-    """
-    r = spec.rope_dims
-    if r == 0:
-        return M
-    out = torch.zeros_like(M)
-    out[..., r:, r:] = M[..., r:, r:]
-    i1, i2 = plane_dims(spec)
-    a = 0.5 * (M[..., i1, i1] + M[..., i2, i2])
-    b = 0.5 * (M[..., i1, i2] - M[..., i2, i1])
-    out[..., i1, i1] = a
-    out[..., i2, i2] = a
-    out[..., i1, i2] = b
-    out[..., i2, i1] = -b
-    return out
-
-
-def project_tied(t: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
-    """Orthogonal projection of ``[..., dk]`` onto vectors equal on both dims of each plane."""
-    if spec.rope_dims == 0:
-        return t
-    i1, i2 = plane_dims(spec)
-    out = t.clone()
-    mean = 0.5 * (t[..., i1] + t[..., i2])
-    out[..., i1] = mean
-    out[..., i2] = mean
-    return out
-
-
-def pass_mask(spec: AttentionSpec, like: torch.Tensor) -> torch.Tensor:
-    """1 on the pass-through dims of a head, 0 on rotated ones: ``[dk]``."""
-    m = torch.zeros(spec.head_dim, dtype=like.dtype, device=like.device)
-    m[spec.rope_dims :] = 1.0
-    return m
 
 
 @dataclass(frozen=True)
@@ -174,8 +135,6 @@ class TangentMap:
     # T*T through small Gram matrices (no pass over the big weights) ------------------
     @cached_property
     def _grams(self) -> dict[str, torch.Tensor]:
-        from attnid.symmetry.conserved import grams
-
         s, w = self.spec, self.w
         out: dict[str, torch.Tensor] = {}
         if self.side == "qk" and s.qk_norm == "none":
@@ -267,13 +226,6 @@ class TangentMap:
                 flat = beta.reshape(*w.batch_shape, -1)
                 g["beta"] = (self.beta_basis.transpose(-1, -2) @ flat.unsqueeze(-1)).squeeze(-1)
         return g
-
-
-def group_sum_out(w: AttentionWeights) -> torch.Tensor:
-    """``Wsum_g = sum_{h in g} W_O^h``: ``[..., G, dv, d]``."""
-    s = w.spec
-    W = w.W_O
-    return W.reshape(*W.shape[:-3], s.n_kv_heads, s.group_size, *W.shape[-2:]).sum(-3)
 
 
 def side_names(spec: AttentionSpec, side: str) -> tuple[str, ...]:

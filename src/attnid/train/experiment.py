@@ -67,9 +67,9 @@ def case_configs(scale: str, *, beyond: bool = True, seed: int = 0, device: str 
     for lr in SWEEP_LRS:
         runs[f"sweep_lr{lr:g}"] = replace(base, optimizer="sgd", lr=lr)
     if beyond:
-        heads = base_model.n_head
+        heads = base_model.n_heads
         runs.update(four("rope_", replace(base_model, rope=1.0)))
-        runs.update(four("gqa_", replace(base_model, n_kv_head=max(1, heads // 2))))
+        runs.update(four("gqa_", replace(base_model, n_kv_heads=max(1, heads // 2))))
         runs["adamw_project"] = replace(runs["adamw"], correct="project")
     return runs
 
@@ -133,4 +133,4 @@ def run_experiment(out: Path, *, scale: str = "cpu", beyond: bool = True, seed: 
         done[key] = name
     if progress is not None:
         progress("drawing training figures")
-    return write_training_report(out, list(runs), runs["sgd"].model.n_head)
+    return write_training_report(out, list(runs), runs["sgd"].model.n_heads)

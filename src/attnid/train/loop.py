@@ -20,16 +20,16 @@ import torch
 import torch.distributed as dist
 
 from attnid.errors import AttnidError
-from attnid.optim import Corrector, Monitor, parse_mode
+from attnid.monitor import Corrector, Monitor, parse_mode
 from attnid.train.data import shakespeare
 from attnid.train.model import GPT, GPTConfig
 
 PRESETS: dict[str, dict[str, Any]] = {
     # CPU-sized: the effects are visible in a few hundred steps on two cores
-    "tiny": dict(n_layer=2, n_head=4, n_embd=64, block_size=64),
-    "small": dict(n_layer=4, n_head=6, n_embd=192, block_size=128),
+    "tiny": dict(n_layers=2, n_heads=4, d_model=64, block_size=64),
+    "small": dict(n_layers=4, n_heads=6, d_model=192, block_size=128),
     # nanoGPT's Shakespeare-char model (the paper's setting): head dim 64
-    "paper": dict(n_layer=6, n_head=6, n_embd=384, block_size=256, dropout=0.2),
+    "paper": dict(n_layers=6, n_heads=6, d_model=384, block_size=256, dropout=0.2),
 }
 
 

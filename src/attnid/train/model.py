@@ -17,10 +17,10 @@ from attnid.spec import AttentionSpec
 class GPTConfig:
     vocab_size: int = 65  # characters
     block_size: int = 64  # longest context
-    n_layer: int = 2
-    n_head: int = 4
-    n_kv_head: int | None = None  # GQA groups; None = MHA
-    n_embd: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int | None = None  # GQA groups; None = MHA
+    d_model: int = 64
     attn_bias: str = "qk"  # which attention biases exist (the paper's Fig. 3 needs q and k)
     mlp_bias: bool = True
     rope: float = 0.0  # fraction of head dims rotated; 0 = learned absolute positions
@@ -29,7 +29,7 @@ class GPTConfig:
     dropout: float = 0.0
 
     def attention_spec(self) -> AttentionSpec:
-        return AttentionSpec(d_model=self.n_embd, n_heads=self.n_head, n_kv_heads=self.n_kv_head,
+        return AttentionSpec(d_model=self.d_model, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
                              bias=self.attn_bias, rope=self.rope, qk_norm=self.qk_norm)  # type: ignore[arg-type]
 
     def to_dict(self) -> dict:
@@ -39,8 +39,8 @@ class GPTConfig:
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.mlp_bias)
-        self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.mlp_bias)
+        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model, bias=cfg.mlp_bias)
+        self.proj = nn.Linear(4 * cfg.d_model, cfg.d_model, bias=cfg.mlp_bias)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -52,9 +52,9 @@ class Block(nn.Module):
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.n_embd)
+        self.ln_1 = nn.LayerNorm(cfg.d_model)
         self.attn = Attention(cfg.attention_spec(), causal=True)
-        self.ln_2 = nn.LayerNorm(cfg.n_embd)
+        self.ln_2 = nn.LayerNorm(cfg.d_model)
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -66,18 +66,18 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd) if cfg.rope == 0 else None
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.d_model) if cfg.rope == 0 else None
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.ln_f = nn.LayerNorm(cfg.n_embd)
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_weights:
             self.lm_head.weight = self.wte.weight
         self.apply(self._init)
         for block in self.blocks:  # nanoGPT: residual projections scaled by depth
-            nn.init.normal_(block.attn.W_O, std=0.02 / math.sqrt(2 * cfg.n_layer))
-            nn.init.normal_(block.mlp.proj.weight, std=0.02 / math.sqrt(2 * cfg.n_layer))
+            nn.init.normal_(block.attn.W_O, std=0.02 / math.sqrt(2 * cfg.n_layers))
+            nn.init.normal_(block.mlp.proj.weight, std=0.02 / math.sqrt(2 * cfg.n_layers))
 
     @staticmethod
     def _init(m: nn.Module) -> None:

@@ -15,7 +15,7 @@ from attnid.adapters.base import (
 )
 from attnid.adapters.registry import register
 from attnid.spec import AttentionSpec
-from attnid.symmetry.weights import AttentionWeights
+from attnid.weights import AttentionWeights
 
 
 @register

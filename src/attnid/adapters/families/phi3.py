@@ -7,7 +7,7 @@ import torch
 from attnid.adapters.base import Adapter, merge_heads_in, merge_heads_out, split_heads_in, split_heads_out
 from attnid.adapters.registry import register
 from attnid.spec import AttentionSpec
-from attnid.symmetry.weights import AttentionWeights
+from attnid.weights import AttentionWeights
 
 
 @register

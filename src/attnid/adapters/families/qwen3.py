@@ -7,7 +7,7 @@ import torch
 from attnid.adapters.base import Adapter, Config
 from attnid.adapters.registry import register
 from attnid.spec import AttentionSpec
-from attnid.symmetry.weights import AttentionWeights
+from attnid.weights import AttentionWeights
 
 
 @register

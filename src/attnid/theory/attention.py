@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from attnid.qknorm_wide import qk_nullity
 from attnid.spec import AttentionSpec
+from attnid.theory.qknorm_wide import qk_nullity
 
 
 def product_fibre_dim(n1: int, n2: int, k: int) -> int:

@@ -8,9 +8,9 @@ from torch import nn
 
 from attnid.adapters.config import load_config
 from attnid.adapters.registry import adapter_for
-from attnid.numeric import EXACT_RTOL
+from attnid.arbiter.compare import Verification, verify_module
+from attnid.arbiter.rank import EXACT_RTOL
 from attnid.theory import count
-from attnid.verify import Verification, verify_module
 
 
 def verify_hf_config(model: str, *, seed: int = 0, confirm: bool = True) -> Verification:
@@ -43,7 +43,7 @@ def numeric_hf_count(adapter: Any, config: dict[str, Any], *, seed: int = 0) -> 
     """The arbiter's count of one attention layer of a *reduced* config, on Hugging Face's own
     class (for families without a closed form). Near-null: the directions that become exactly
     null when the norms' epsilon is 0."""
-    from attnid.numeric import jacobian_rank, randomize_
+    from attnid.arbiter.rank import jacobian_rank, randomize_
 
     small = adapter.reduce(config)
     module, forward = adapter.hf_attention(small)

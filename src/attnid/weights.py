@@ -151,3 +151,54 @@ class AttentionWeights:
         with torch.no_grad():
             for n, t in self.items():
                 params[n].copy_(t)
+
+
+def pass_mask(spec: AttentionSpec, like: torch.Tensor) -> torch.Tensor:
+    """1 on the pass-through dims of a head, 0 on rotated ones: ``[dk]``."""
+    m = torch.zeros(spec.head_dim, dtype=like.dtype, device=like.device)
+    m[spec.rope_dims :] = 1.0
+    return m
+
+
+def group_sum_out(w: AttentionWeights) -> torch.Tensor:
+    """``Wsum_g = sum_{h in g} W_O^h``: ``[..., G, dv, d]``."""
+    s = w.spec
+    W = w.W_O
+    return W.reshape(*W.shape[:-3], s.n_kv_heads, s.group_size, *W.shape[-2:]).sum(-3)
+
+
+def _grouped(x: torch.Tensor, G: int) -> torch.Tensor:
+    """``[..., H, a, b] -> [..., G, a, b]`` summed over each group's heads."""
+    return x.reshape(*x.shape[:-3], G, x.shape[-3] // G, *x.shape[-2:]).sum(-3)
+
+
+def grams(w: AttentionWeights, side: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(left, right) Gram matrices per group: ``[..., G, k, k]`` each (cached on ``w``).
+
+    QK: ``(sum_{h in g} W~_Q^hT W~_Q^h, W~_K^gT W~_K^g)``; VO: ``(W~_V^T W~_V, sum W_O W_O^T)``.
+    """
+    # memoised on the container, keyed by the tensors' version counters, so that views of
+    # parameters that were since updated in place are recomputed
+    cache = w.__dict__.setdefault("_gram_cache", {})
+    versions = tuple(t._version for _, t in w.items())
+    if side not in cache or cache[side][0] != versions:
+        cache[side] = (versions, _grams(w, side))
+    return cache[side][1]
+
+
+def _grams(w: AttentionWeights, side: str) -> tuple[torch.Tensor, torch.Tensor]:
+    s = w.spec
+    if side == "qk":
+        a = w.W_Q.transpose(-1, -2) @ w.W_Q
+        if w.b_Q is not None:
+            a = a + w.b_Q.unsqueeze(-1) * w.b_Q.unsqueeze(-2)
+        left = _grouped(a, s.n_kv_heads)
+        right = w.W_K.transpose(-1, -2) @ w.W_K
+        if w.b_K is not None:
+            right = right + w.b_K.unsqueeze(-1) * w.b_K.unsqueeze(-2)
+        return left, right
+    left = w.W_V.transpose(-1, -2) @ w.W_V
+    if w.b_V is not None:
+        left = left + w.b_V.unsqueeze(-1) * w.b_V.unsqueeze(-2)
+    right = _grouped(w.W_O @ w.W_O.transpose(-1, -2), s.n_kv_heads)
+    return left, right

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
+from attnid.arbiter.rank import ArbiterResult, jacobian_rank, randomize_
 from attnid.attention import Attention
-from attnid.numeric import ArbiterResult, jacobian_rank, randomize_
 from attnid.spec import AttentionSpec
 from attnid.theory import Count, count
 

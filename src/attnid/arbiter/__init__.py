@@ -1,0 +1,6 @@
+"""The numerical arbiter: Jacobian rank in float64, and its comparison with the closed form."""
+
+from attnid.arbiter.compare import Verification, verify, verify_module
+from attnid.arbiter.rank import ArbiterResult, jacobian_rank, randomize_
+
+__all__ = ["ArbiterResult", "Verification", "jacobian_rank", "randomize_", "verify", "verify_module"]

@@ -1,0 +1,45 @@
+"""The ``attnid`` command line. Thin: parse, call the library, print, exit.
+
+User mistakes (:class:`attnid.AttnidError`, bad flags) print one ``error:`` line on
+stderr and exit 2; ``verify`` exits 1 when theory and arbiter disagree. Each command's
+module imports what it needs inside the command, so ``--help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+from typer.exceptions import TyperException
+
+from attnid.cli import identify, reproduce, surgery, training  # noqa: F401  (register commands)
+from attnid.cli.app import app
+from attnid.errors import AttnidError
+
+__all__ = ["app", "main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: runs the app and maps user errors to one ``error:`` line, exit 2."""
+    try:
+        code = app(args=argv, standalone_mode=False)  # click returns an Exit's code here
+    except AttnidError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except typer.Exit as e:
+        return e.exit_code
+    except typer.Abort:
+        print("error: aborted", file=sys.stderr)
+        return 130
+    except TyperException as e:  # bad flags, missing arguments (click's usage errors)
+        message = e.format_message() if hasattr(e, "format_message") else str(e)
+        print(f"error: {message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    return code if isinstance(code, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

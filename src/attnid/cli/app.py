@@ -1,0 +1,105 @@
+"""The Typer app, the options shared by several commands, and output helpers."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Annotated, Any, Literal
+
+import typer
+
+from attnid.spec import AttentionSpec
+from attnid.theory import Count
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    help="Measure and exploit the parameter symmetries of transformer attention.",
+)
+
+DModel = Annotated[int, typer.Option("--d-model", help="Model width d.")]
+NHeads = Annotated[int, typer.Option("--n-heads", "--heads", help="Query heads H.")]
+NKVHeads = Annotated[int | None, typer.Option(
+    "--n-kv-heads", "--kv-heads", help="Key/value groups G (GQA; 1 = MQA; default H).")]
+HeadDim = Annotated[int | None, typer.Option("--head-dim", help="Query/key head size d_k.")]
+VHeadDim = Annotated[int | None, typer.Option("--v-head-dim", help="Value head size d_v.")]
+Bias = Annotated[str, typer.Option("--bias", help="Which biases exist: a subset of 'qkvo'.")]
+Rope = Annotated[float, typer.Option("--rope", help="Fraction of each head's dims that RoPE rotates.")]
+RopePairing = Annotated[Literal["half", "interleaved"], typer.Option(
+    "--rope-pairing", help="Which dims form a rotated plane: (i, i + r/2) or (2i, 2i + 1).")]
+QKNormOpt = Annotated[Literal["none", "head"], typer.Option(
+    "--qk-norm", help="RMSNorm of each query/key head (gain shared across heads).")]
+QKNormEps = Annotated[float, typer.Option("--qk-norm-eps", help="QK-norm epsilon.")]
+Json = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
+
+
+def make_spec(d_model: int, n_heads: int, n_kv_heads: int | None, head_dim: int | None,
+              v_head_dim: int | None, bias: str, rope: float, rope_pairing: str,
+              qk_norm: str, qk_norm_eps: float) -> AttentionSpec:
+    return AttentionSpec(
+        d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
+        v_head_dim=v_head_dim, bias=bias, rope=rope, rope_pairing=rope_pairing,  # type: ignore[arg-type]
+        qk_norm=qk_norm, qk_norm_eps=qk_norm_eps,  # type: ignore[arg-type]
+    )
+
+
+def _describe(spec: dict) -> str:
+    return AttentionSpec.from_dict(spec).describe()
+
+
+def _print_rows(rows: list[dict], title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    keys = list(rows[0])
+    for k in keys:
+        table.add_column(k, justify="left" if k in ("model", "family", "bias") else "right")
+    for r in rows:
+        table.add_row(*[f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v)
+                        for v in (r[k] for k in keys)])
+    Console(width=250).print(table)
+
+
+def print_count_dict(d: dict, title: str) -> None:
+    from attnid.theory import Component, Count
+
+    spec = AttentionSpec.from_dict(d["spec"])
+    print_count(Count(spec, {k: Component(**v) for k, v in d["components"].items()}), title)
+
+
+def emit_json(obj: Any) -> None:
+    """Print ``obj`` as strict JSON: non-finite floats (an infinite spectral gap) become null."""
+    typer.echo(json.dumps(finite(obj), indent=2, allow_nan=False))
+
+
+def finite(obj: Any) -> Any:
+    """``obj`` with every non-finite float replaced by None (JSON has no inf or nan)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    return obj
+
+
+def print_count(result: Count, title: str | None = None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title or f"attention layer: {result.spec.describe()}")
+    table.add_column("component")
+    table.add_column("params", justify="right")
+    table.add_column("unidentified", justify="right")
+    table.add_column("near-unidentified", justify="right")
+    for name, c in result.components.items():
+        table.add_row(name, f"{c.params:,}", f"{c.unidentified:,}", f"{c.near_unidentified:,}")
+    table.add_section()
+    table.add_row("total", f"{result.total:,}", f"{result.unidentified:,}",
+                  f"{result.near_unidentified:,}")
+    console = Console(width=100)
+    console.print(table)
+    console.print(f"identified {result.identified:,}   unidentified ratio {result.ratio:.4f}")

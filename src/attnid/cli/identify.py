@@ -1,0 +1,140 @@
+"""``attnid count``, ``verify`` and ``report``: closed-form counts and the arbiter."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from attnid.cli.app import (
+    Bias,
+    DModel,
+    HeadDim,
+    Json,
+    NHeads,
+    NKVHeads,
+    QKNormEps,
+    QKNormOpt,
+    Rope,
+    RopePairing,
+    VHeadDim,
+    _describe,
+    _print_rows,
+    app,
+    emit_json,
+    make_spec,
+    print_count,
+    print_count_dict,
+)
+from attnid.errors import AttnidError
+from attnid.theory import count
+
+
+@app.command("count")
+def count_cmd(
+    d_model: DModel, n_heads: NHeads, n_kv_heads: NKVHeads = None, head_dim: HeadDim = None,
+    v_head_dim: VHeadDim = None, bias: Bias = "", rope: Rope = 0.0,
+    rope_pairing: RopePairing = "half", qk_norm: QKNormOpt = "none",
+    qk_norm_eps: QKNormEps = 1e-6, json_out: Json = False,
+) -> None:
+    """Closed-form counts of identified and unidentified parameters of one layer."""
+    spec = make_spec(d_model, n_heads, n_kv_heads, head_dim, v_head_dim, bias, rope,
+                     rope_pairing, qk_norm, qk_norm_eps)
+    result = count(spec)
+    if json_out:
+        emit_json(result.to_dict())
+    else:
+        print_count(result)
+
+
+@app.command("verify")
+def verify_cmd(
+    d_model: Annotated[int | None, typer.Option("--d-model", help="Model width d.")] = None,
+    n_heads: Annotated[int | None, typer.Option("--n-heads", "--heads", help="Query heads H.")] = None,
+    n_kv_heads: NKVHeads = None, head_dim: HeadDim = None,
+    v_head_dim: VHeadDim = None, bias: Bias = "", rope: Rope = 0.0,
+    rope_pairing: RopePairing = "half", qk_norm: QKNormOpt = "none",
+    qk_norm_eps: QKNormEps = 1e-6,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the random point.")] = 0,
+    confirm: Annotated[bool, typer.Option(
+        "--confirm/--no-confirm", help="Recount at a second seed with twice the sequences.")] = True,
+    hf_config: Annotated[str | None, typer.Option(
+        "--hf-config", help="Check a Hugging Face attention class, reduced from this config.")] = None,
+    json_out: Json = False,
+) -> None:
+    """Arbiter (Jacobian rank, float64) against the closed form; exit 1 on disagreement."""
+    if hf_config is not None:
+        from attnid.adapters.reduced import verify_hf_config
+
+        result = verify_hf_config(hf_config, seed=seed, confirm=confirm)
+    else:
+        if d_model is None or n_heads is None:
+            raise AttnidError("verify needs --d-model and --n-heads (or --hf-config)")
+        from attnid.arbiter.compare import verify
+
+        spec = make_spec(d_model, n_heads, n_kv_heads, head_dim, v_head_dim, bias, rope,
+                         rope_pairing, qk_norm, qk_norm_eps)
+        count(spec)  # a spec without a closed form fails here, before any work
+        result = verify(spec, seed=seed, confirm=confirm)
+    if json_out:
+        emit_json(result.to_dict())
+    else:
+        d = result.to_dict()
+        gap = d["spectral_gap"]
+        status = "AGREE" if result.agree else "DISAGREE"
+        typer.echo(
+            f"{status}  {d['model']}\n"
+            f"  parameters {d['total']}   unidentified: theory {d['unidentified_theory']}, "
+            f"arbiter {d['unidentified_numeric']}   near-unidentified: theory "
+            f"{d['near_unidentified_theory']}, arbiter {d['near_unidentified_numeric']}\n"
+            f"  spectral gap {'n/a' if gap is None else f'{gap:.2e}'}   stable across seeds: "
+            f"{d['stable']}   {d['seconds']:.2f}s"
+        )
+    raise typer.Exit(0 if result.agree else 1)
+
+
+@app.command("report")
+def report_cmd(
+    model: Annotated[str | None, typer.Argument(
+        help="config.json, model directory, or bundled name.")] = None,
+    all_models: Annotated[bool, typer.Option("--all", help="Compare every bundled model.")] = False,
+    json_out: Json = False,
+) -> None:
+    """Identification counts for a real model: per layer, in total, and the breakdown."""
+    from attnid.report.models import all_reports, model_report, summary_row
+
+    if all_models:
+        rows = [summary_row(r) for r in all_reports()]
+        if json_out:
+            emit_json(rows)
+        else:
+            _print_rows(rows, "attention identification across model families")
+        return
+    if model is None:
+        raise AttnidError("give a MODEL (config.json, model directory or bundled name) or --all")
+    rep = model_report(model)
+    if json_out:
+        emit_json(rep)
+        return
+    if not rep["closed_form"]:
+        nr = rep["numeric_reduced"]
+        typer.echo(f"{rep['model']} ({rep['architecture']}, {rep['n_layers']} layers): attention "
+                   f"parameters {rep['attention']['total']:,}\n  {rep['note']}\n  reduced layer "
+                   f"{nr['reduced_config']}: {nr['unidentified']} of {nr['params']} parameters "
+                   f"unidentified, {nr['near_unidentified']} near-unidentified")
+        return
+    from rich.console import Console
+
+    console = Console(width=110)
+    a = rep["attention"]
+    mp = rep["model_params"]
+    console.print(f"[bold]{rep['model']}[/bold]  ({rep['architecture']}, {rep['n_layers']} layers"
+                  + (f", {mp:,} parameters in the model" if mp else "") + ")")
+    print_count_dict(rep["layers"][0], f"one layer: {_describe(rep['spec'])}")
+    console.print(f"all {rep['n_layers']} layers: attention parameters {a['total']:,}, unidentified "
+                  f"{a['unidentified']:,} (ratio {a['ratio']:.5f}), near-unidentified "
+                  f"{a['near_unidentified']:,}")
+    console.print(f"QK-unidentified per layer: {rep['qk_unidentified_per_layer']:,} "
+                  f"(with MHA instead: {rep['qk_unidentified_per_layer_if_mha']:,}); counted as in "
+                  f"the paper, without RoPE: {rep['qk_unidentified_per_layer_without_rope']:,} "
+                  f"(MHA: {rep['qk_unidentified_per_layer_without_rope_if_mha']:,})")

@@ -1,0 +1,147 @@
+"""Hooks for any training loop: measure and correct what the optimizer does along the orbits.
+
+    monitor = Monitor(model)                       # finds every attention layer
+    corrector = Corrector(model, "project")        # or "rebalance:200"
+    for batch in data:
+        loss = model(batch).backward()
+        with monitor.step(), corrector.step():     # corrector inside: the monitor sees
+            optimizer.step()                       # the update that was applied
+        log(monitor.last)
+
+Layers are found through `attnid.layers` (accessors that get/set an `AttentionWeights`);
+attnid's own `Attention` is found there, `attnid.adapters` registers Hugging Face models.
+All layers of the same spec are stacked and processed in one batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+import attnid.adapters.hooks  # noqa: F401  (registers the Hugging Face layer finder)
+from attnid.errors import AttnidError
+from attnid.layers import find_layers
+from attnid.spec import AttentionSpec
+from attnid.symmetry.conserved import metrics
+from attnid.symmetry.projection import project, remove_tangent
+from attnid.symmetry.rebalance import rebalance
+from attnid.weights import AttentionWeights
+
+
+class _Batches:
+    """Layers grouped by spec, read and written as stacked containers."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.layers = find_layers(model)
+        groups: dict[AttentionSpec, list[int]] = {}
+        for i, acc in enumerate(self.layers):
+            groups.setdefault(acc.spec, []).append(i)
+        self.groups = list(groups.values())
+
+    def snapshot(self) -> list[AttentionWeights]:
+        """One stacked float64 copy per spec group."""
+        return [AttentionWeights.stack([self.layers[i].get() for i in idx]).to(torch.float64)
+                for idx in self.groups]
+
+    def write(self, stacks: list[AttentionWeights]) -> None:
+        for idx, w in zip(self.groups, stacks, strict=True):
+            for i, layer_w in zip(idx, w.unstack(), strict=True):
+                dtype = self.layers[i].get().W_Q.dtype
+                self.layers[i].set(layer_w.to(dtype))
+
+
+class Monitor:
+    """Records, around each optimizer step, the paper's metrics for every attention layer.
+
+    ``last`` holds per-metric lists indexed ``[layer][group]``: ``rho_qk, rho_vo`` (tangent
+    share of the applied update), ``beta_*, tau_*, mu_*, drift_*`` (conserved quantity
+    after the step), ``update_norm`` per layer, and ``grad_norm_bq, grad_norm_bk`` per head
+    when those biases exist (read from ``.grad`` at the start of the step).
+    """
+
+    def __init__(self, model: nn.Module, *, near: bool = False) -> None:
+        self.batches = _Batches(model)
+        self.near = near
+        self.last: dict[str, list] = {}
+
+    @property
+    def layer_names(self) -> list[str]:
+        return [acc.name for acc in self.batches.layers]
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        grads = self._bias_grads()
+        before = self.batches.snapshot()
+        yield
+        after = self.batches.snapshot()
+        self.last = self.measure(before, after)
+        self.last.update(grads)
+
+    def _bias_grads(self) -> dict[str, list]:
+        out: dict[str, list] = {}
+        for key, name in (("grad_norm_bq", "b_Q"), ("grad_norm_bk", "b_K")):
+            rows = []
+            for acc in self.batches.layers:
+                g = acc.grads().get(name)
+                if g is None:
+                    break
+                rows.append(g.detach().double().norm(dim=-1).tolist())
+            else:
+                out[key] = rows
+        return out
+
+    def measure(self, before: list[AttentionWeights], after: list[AttentionWeights]) -> dict[str, list]:
+        n = len(self.batches.layers)
+        out: dict[str, list] = {}
+        for idx, w0, w1 in zip(self.batches.groups, before, after, strict=True):
+            delta = w1 - w0
+            vals = metrics(w0, w1)
+            for side in ("qk", "vo"):
+                vals[f"rho_{side}"] = project(w0, delta, side, near=self.near).rho
+            vals["update_norm"] = delta.dot(delta).sqrt()
+            for key, t in vals.items():
+                rows = out.setdefault(key, [None] * n)
+                for j, i in enumerate(idx):
+                    rows[i] = t[j].tolist()
+        return out
+
+
+class Corrector:
+    """Removes orbit motion from the optimizer: ``project`` every step, or ``rebalance`` every N.
+
+    ``mode`` is ``"off"``, ``"project"``, ``"rebalance"`` (every step) or ``"rebalance:N"``.
+    """
+
+    def __init__(self, model: nn.Module, mode: str = "project", *, near: bool = False) -> None:
+        self.mode, self.every = parse_mode(mode)
+        self.batches = _Batches(model) if self.mode != "off" else None
+        self.near = near
+        self.steps = 0
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        before = self.batches.snapshot() if self.mode == "project" else None
+        yield
+        self.steps += 1
+        if self.mode == "project":
+            after = self.batches.snapshot()
+            self.batches.write([w0 + remove_tangent(w0, w1 - w0, near=self.near)
+                                for w0, w1 in zip(before, after, strict=True)])
+        elif self.mode == "rebalance" and self.steps % self.every == 0:
+            self.batches.write([rebalance(w, mode="auto") for w in self.batches.snapshot()])
+
+
+def parse_mode(mode: str) -> tuple[str, int]:
+    """``"off" | "project" | "rebalance" | "rebalance:N"`` -> (kind, every)."""
+    if mode in ("off", "project"):
+        return mode, 1
+    if mode == "rebalance":
+        return mode, 1
+    if mode.startswith("rebalance:"):
+        tail = mode.split(":", 1)[1]
+        if tail.isdigit() and int(tail) > 0:
+            return "rebalance", int(tail)
+    raise AttnidError(f"unknown correction {mode!r}: use off, project or rebalance:N")
