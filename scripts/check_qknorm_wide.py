@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import random
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from attnid import AttentionSpec
+from attnid.testing import invariant_jacobian, numerical_rank
 from attnid.theory.qknorm_wide import fibre
-from test_qknorm_wide import _invariant_jacobian, _rank
 
 
 def main(n: int, seed: int) -> int:
@@ -35,14 +33,14 @@ def main(n: int, seed: int) -> int:
             continue
         spec = AttentionSpec(d_model=d, n_heads=G * m, n_kv_heads=G, head_dim=dk, rope=r / dk,
                              bias=bias, qk_norm="head", qk_norm_eps=0.0)
-        J, q_last, k_last = _invariant_jacobian(spec, seed=done)
-        want = J.shape[1] - _rank(J)
+        J, q_last, k_last = invariant_jacobian(spec, seed=done)
+        want = J.shape[1] - numerical_rank(J)
         cols = (q_last if "q" in bias else []) + (k_last if "k" in bias else [])
         want_scales = 0
         if cols:
             E = torch.zeros(J.shape[0], len(cols), dtype=J.dtype)
             E[cols, range(len(cols))] = 1.0
-            want_scales = len(cols) - (_rank(torch.cat([J, E], 1)) - _rank(J))
+            want_scales = len(cols) - (numerical_rank(torch.cat([J, E], 1)) - numerical_rank(J))
         got = fibre(spec)
         got_scales = fibre(spec, free_q="q" in bias, free_k="k" in bias) - got if cols else 0
         done += 1

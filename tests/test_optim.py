@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from attnid import Attention, AttentionSpec, AttnidError
-from attnid.monitor import Corrector, Monitor, parse_mode
+from attnid.monitor import Corrector, Monitor, parse_correction
 from attnid.symmetry import AttentionWeights, metrics
 
 
@@ -98,7 +98,7 @@ def test_rebalance_every_n_is_function_preserving():
 @pytest.mark.parametrize("mode", ["rebalance:0", "rebalance:x", "sometimes"])
 def test_bad_correction_mode(mode):
     with pytest.raises(AttnidError):
-        parse_mode(mode)
+        parse_correction(mode)
 
 
 @pytest.mark.parametrize("arch, extra", [

@@ -14,6 +14,7 @@ import torch
 
 from attnid import AttentionSpec, count
 from attnid.arbiter.compare import verify
+from attnid.testing import invariant_jacobian, numerical_rank
 from attnid.theory.qknorm_wide import fibre, sym2_sum_dim
 
 
@@ -44,46 +45,6 @@ def test_sym2_sum_dim_matches_a_direct_span(n: int, dims: tuple[int, ...]):
     assert sym2_sum_dim(n, dims) == _span_dim(n, dims)
 
 
-def _invariant_jacobian(spec: AttentionSpec, seed: int = 0) -> tuple[torch.Tensor, list[int], list[int]]:
-    """Jacobian of (Q_h, K_g, pass-through forms, per-plane cosine/sine forms) at random weights.
-
-    Returns it with the row offsets of each Q_h's and each K_g's last diagonal entry (the
-    bias direction), which an epsilon absorbed by a bias moves.
-    """
-    d, H, G, dk = spec.d_model, spec.n_heads, spec.n_kv_heads, spec.head_dim
-    a, b = d + spec.has_bias("q"), d + spec.has_bias("k")
-    p, m = spec.pass_dims, spec.group_size
-    nA, nB = H * a * dk, G * b * dk
-    iu, ju = torch.triu_indices(a, a).unbind(), torch.triu_indices(b, b).unbind()
-    x0 = torch.randn(nA + nB + 2 * dk, generator=torch.Generator().manual_seed(seed),
-                     dtype=torch.float64)
-
-    def invariants(x: torch.Tensor) -> torch.Tensor:
-        A, B = x[:nA].view(H, a, dk), x[nA:nA + nB].view(G, b, dk)
-        gq, gk = x[nA + nB:nA + nB + dk], x[nA + nB + dk:]
-        out = []
-        for h in range(H):
-            q, k = A[h] * gq, B[h // m] * gk
-            out.append(q[:, :p] @ k[:, :p].T)
-            for c in range(p, dk, 2):  # a plane (c, c + 1): cosine and sine parts
-                out.append(q[:, c:c + 1] @ k[:, c:c + 1].T + q[:, c + 1:c + 2] @ k[:, c + 1:c + 2].T)
-                out.append(q[:, c + 1:c + 2] @ k[:, c:c + 1].T - q[:, c:c + 1] @ k[:, c + 1:c + 2].T)
-            out.append((A[h] @ A[h].T)[iu])
-        out += [(B[g] @ B[g].T)[ju] for g in range(G)]
-        return torch.cat([o.reshape(-1) for o in out])
-
-    J = torch.autograd.functional.jacobian(invariants, x0)
-    per_head = a * b * (1 + (dk - p)) + len(iu[0])
-    q_last = [h * per_head + a * b * (1 + (dk - p)) + len(iu[0]) - 1 for h in range(H)]
-    k_last = [H * per_head + (g + 1) * len(ju[0]) - 1 for g in range(G)]
-    return J, q_last, k_last
-
-
-def _rank(J: torch.Tensor) -> int:
-    s = torch.linalg.svdvals(J)
-    return int((s > s[0] * 1e-10).sum())
-
-
 # (d, H, G, head_dim, rope, bias): RoPE full/partial/none, MHA/GQA/MQA, spare pass-through
 # rows (p > d) or not, every q/k bias pair.
 WIDE = [
@@ -105,16 +66,16 @@ def _wide_spec(case, eps: float = 0.0, pairing: str = "half") -> AttentionSpec:
 @pytest.mark.parametrize("case", WIDE, ids=lambda c: _wide_spec(c).describe())
 def test_fibre_equals_the_invariant_map_rank(case):
     spec = _wide_spec(case)
-    J, q_last, k_last = _invariant_jacobian(spec)
+    J, q_last, k_last = invariant_jacobian(spec)
     n_params = J.shape[1]
-    assert fibre(spec) == n_params - _rank(J), spec.describe()
+    assert fibre(spec) == n_params - numerical_rank(J), spec.describe()
     # exact scales under eps > 0: bias directions of Q_h / K_g already reached by J
     cols = [i for i, on in ((q, spec.has_bias("q")) for q in q_last) if on]
     cols += [i for i, on in ((k, spec.has_bias("k")) for k in k_last) if on]
     if cols:
         E = torch.zeros(J.shape[0], len(cols), dtype=J.dtype)
         E[cols, range(len(cols))] = 1.0
-        reached = len(cols) - (_rank(torch.cat([J, E], 1)) - _rank(J))
+        reached = len(cols) - (numerical_rank(torch.cat([J, E], 1)) - numerical_rank(J))
         assert fibre(spec, free_q=spec.has_bias("q"), free_k=spec.has_bias("k")) - fibre(spec) == reached
 
 

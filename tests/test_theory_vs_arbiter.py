@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from attnid import Attention, AttentionSpec, count, jacobian_rank, randomize_
 from attnid.arbiter.compare import verify
-from grid import grid
+from grid import BIASES, grid
 
 GRID = grid()
 
@@ -21,11 +21,15 @@ def test_grid_is_large_and_varied():
     assert any(1 < s.n_kv_heads < s.n_heads for s in GRID)  # GQA
     assert any(s.head_dim > s.d_model for s in GRID)
     assert any(0 < s.rope < 1 for s in GRID)
-    assert {"".join(sorted(s.bias)) for s in GRID} >= {"", "k", "v", "kv", "koqv", "kqv"} - {"koqv"}
-    assert len({frozenset(s.bias) for s in GRID}) == 16
+    assert {frozenset(s.bias) for s in GRID} == {frozenset(b) for b in BIASES}  # all 16 subsets
 
 
-@pytest.mark.parametrize("spec", GRID, ids=[s.describe() for s in GRID])
+# every fourth spec in the default run (each variant family is still hit); all with -m slow
+GRID_PARAMS = [pytest.param(s, id=s.describe(), marks=() if i % 4 == 0 else pytest.mark.slow)
+               for i, s in enumerate(GRID)]
+
+
+@pytest.mark.parametrize("spec", GRID_PARAMS)
 def test_closed_form_equals_arbiter(spec: AttentionSpec):
     result = verify(spec, seed=1, confirm=False)
     theory, found = result.theory, result.arbiter
@@ -92,11 +96,12 @@ def test_property_random_specs_agree_with_arbiter(spec: AttentionSpec, seed: int
 def test_property_count_is_consistent(spec: AttentionSpec):
     c = count(spec)
     assert c.total == sum(n for shape in spec.param_shapes().values() for n in [_numel(shape)])
-    assert c.identified + c.unidentified == c.total
     assert 0 < c.ratio < 1
     # never fully identified: at least one exactly unidentified dim per key group (VO gauge)
     assert c.unidentified >= spec.n_kv_heads
-    assert all(comp.unidentified + comp.near_unidentified >= 0 for comp in c.components.values())
+    for name, comp in c.components.items():  # a block cannot lose more directions than it has
+        assert comp.unidentified >= 0 and comp.near_unidentified >= 0, name
+        assert comp.unidentified + comp.near_unidentified <= comp.params, name
 
 
 def _numel(shape: tuple[int, ...]) -> int:

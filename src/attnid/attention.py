@@ -7,8 +7,8 @@ Weights are held per head in the canonical layout (paper names)::
     g_Q [d_k]         g_K [d_k]         (QK-norm gains, shared across heads)
 
 Query head ``h`` reads key/value group ``h // (H / G)``. The forward pass takes the
-fused ``scaled_dot_product_attention`` kernel; :func:`attend_reference` is the slow,
-obviously correct version it is tested against.
+fused ``scaled_dot_product_attention`` kernel; :func:`attnid.testing.attention_reference`
+is the slow, obviously correct version it is tested against.
 """
 
 from __future__ import annotations
@@ -101,19 +101,3 @@ class Attention(nn.Module):
 def rms_norm(z: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim with a learned gain (QK-norm)."""
     return z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + eps) * gain
-
-
-def attend_reference(layer: Attention, x: torch.Tensor, causal: bool = False) -> torch.Tensor:
-    """Slow, explicit attention (per-head loop, explicit softmax): the test oracle."""
-    s = layer.spec
-    q, k, v = layer.project_qkv(x)
-    T = x.shape[1]
-    heads = []
-    for h in range(s.n_heads):
-        g = h // s.group_size
-        scores = q[:, h] @ k[:, g].transpose(-1, -2) / math.sqrt(s.head_dim)  # (B, T, T)
-        if causal:
-            mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-            scores = scores.masked_fill(~mask, float("-inf"))
-        heads.append(torch.softmax(scores, dim=-1) @ v[:, g])  # (B, T, dv)
-    return layer.project_out(torch.stack(heads, dim=1))

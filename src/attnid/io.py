@@ -54,47 +54,44 @@ def read_bytes(path: Path, header: dict[str, Any], start: int, name: str) -> byt
 
 
 def read_tensor(path: Path, header: dict[str, Any], start: int, name: str) -> torch.Tensor:
+    """One tensor as a torch tensor; one clear error for a dtype outside :data:`DTYPES`."""
     info = header[name]
-    data = bytearray(read_bytes(path, header, start, name))
     dtype = DTYPES.get(info["dtype"])
     if dtype is None:
-        raise AttnidError(f"{path}: unsupported dtype {info['dtype']} for {name}")
+        raise AttnidError(f"{path}: {name} is stored as {info['dtype']}, which attnid cannot "
+                          f"rewrite (it reads {', '.join(DTYPES)})")
+    data = bytearray(read_bytes(path, header, start, name))
     t = torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
     return t.reshape(info["shape"])
 
 
-def write_streaming(path: Path, entries: list[tuple[str, str, list[int]]],
+def write_streaming(path: Path, entries: list[tuple[str, str, list[int], int]],
                     produce: Callable[[str], torch.Tensor | bytes],
                     metadata: dict[str, str] | None = None) -> None:
-    """Write ``entries`` (name, dtype, shape) in order; ``produce(name)`` gives each tensor
-    (or, for a tensor copied unchanged, its raw bytes)."""
+    """Write ``entries`` (name, dtype name, shape, byte size) in order; ``produce(name)`` gives
+    each tensor, or, for a tensor copied unchanged, its raw bytes (then any dtype, also ones
+    outside :data:`DTYPES` such as ``F8_E4M3``, is written as it was stored)."""
     header: dict[str, Any] = {}
     if metadata:
         header["__metadata__"] = metadata
     offset = 0
-    itemsize = {k: torch.empty(0, dtype=v).element_size() for k, v in DTYPES.items()}
-    for name, dtype, shape in entries:
-        n = itemsize[dtype]
-        for s in shape:
-            n *= s
-        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
-        offset += n
+    for name, dtype, shape, nbytes in entries:
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
     with path.open("wb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
-        for name, dtype, shape in entries:
+        for name, dtype, shape, nbytes in entries:
             t = produce(name)
-            if isinstance(t, bytes):
-                lo, hi = header[name]["data_offsets"]
-                if len(t) != hi - lo:
-                    raise AttnidError(f"internal: {name} has {len(t)} bytes, expected {hi - lo}")
-                f.write(t)
-                continue
-            if NAMES[t.dtype] != dtype or list(t.shape) != list(shape):
-                raise AttnidError(f"internal: {name} changed dtype or shape")
-            f.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+            if isinstance(t, torch.Tensor):
+                if NAMES.get(t.dtype) != dtype or list(t.shape) != list(shape):
+                    raise AttnidError(f"internal: {name} changed dtype or shape")
+                t = memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+            if len(t) != nbytes:
+                raise AttnidError(f"internal: {name} has {len(t)} bytes, expected {nbytes}")
+            f.write(t)
 
 
 def weight_files(model_dir: Path) -> list[Path]:

@@ -112,11 +112,11 @@ class Monitor:
 class Corrector:
     """Removes orbit motion from the optimizer: ``project`` every step, or ``rebalance`` every N.
 
-    ``mode`` is ``"off"``, ``"project"``, ``"rebalance"`` (every step) or ``"rebalance:N"``.
+    ``correction`` is ``"off"``, ``"project"``, ``"rebalance"`` (every step) or ``"rebalance:N"``.
     """
 
-    def __init__(self, model: nn.Module, mode: str = "project", *, near: bool = False) -> None:
-        self.mode, self.every = parse_mode(mode)
+    def __init__(self, model: nn.Module, correction: str = "project", *, near: bool = False) -> None:
+        self.mode, self.every = parse_correction(correction)
         self.batches = _Batches(model) if self.mode != "off" else None
         self.near = near
         self.steps = 0
@@ -131,17 +131,18 @@ class Corrector:
             self.batches.write([w0 + remove_tangent(w0, w1 - w0, near=self.near)
                                 for w0, w1 in zip(before, after, strict=True)])
         elif self.mode == "rebalance" and self.steps % self.every == 0:
-            self.batches.write([rebalance(w, mode="auto") for w in self.batches.snapshot()])
+            self.batches.write([rebalance(w, group="auto") for w in self.batches.snapshot()])
 
 
-def parse_mode(mode: str) -> tuple[str, int]:
+def parse_correction(correction: str) -> tuple[str, int]:
     """``"off" | "project" | "rebalance" | "rebalance:N"`` -> (kind, every)."""
-    if mode in ("off", "project"):
-        return mode, 1
-    if mode == "rebalance":
-        return mode, 1
-    if mode.startswith("rebalance:"):
-        tail = mode.split(":", 1)[1]
+    if correction in ("off", "project", "rebalance"):
+        return correction, 1
+    if correction.startswith("rebalance:"):
+        tail = correction.split(":", 1)[1]
         if tail.isdigit() and int(tail) > 0:
             return "rebalance", int(tail)
-    raise AttnidError(f"unknown correction {mode!r}: use off, project or rebalance:N")
+    raise AttnidError(f"unknown correction {correction!r}: use off, project or rebalance:N")
+
+
+parse_mode = parse_correction  # old name, kept until attnid.train.loop imports parse_correction

@@ -12,20 +12,25 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import secrets
 import shutil
-import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from attnid.adapters.base import Adapter
 from attnid.adapters.config import load_config
 from attnid.adapters.registry import adapter_for
-from attnid.errors import AttnidError
-from attnid.io import all_names, read_bytes, read_header, read_tensor, weight_files, write_streaming
-from attnid.symmetry.rebalance import drop_key_bias, fold_value_bias, rebalance_qk, rebalance_vo
+from attnid.errors import AttnidError, require
+from attnid.io import DTYPES, all_names, read_bytes, read_header, read_tensor, weight_files, write_streaming
+from attnid.spec import AttentionSpec
+from attnid.symmetry.rebalance import drop_key_bias as zero_free_key_bias
+from attnid.symmetry.rebalance import fold_value_bias as fold_value_bias_into_output
+from attnid.symmetry.rebalance import rebalance_qk, rebalance_vo
 from attnid.weights import AttentionWeights
 
 # per-layer tolerance on the relative output error, by checkpoint dtype
@@ -39,11 +44,46 @@ class Operations:
     balance: bool
 
 
-def canonicalize(in_dir: str | Path, out_dir: str | Path, *, drop_key_bias_: bool | None = None,
-                 fold_value_bias_: bool | None = None, balance: bool | None = None,
+@dataclass
+class Plan:
+    """What one canonicalization reads and rewrites: the checkpoint, its layers, their tensors."""
+
+    src: Path
+    config: dict[str, Any]
+    adapter: Adapter
+    specs: list[AttentionSpec]
+    files: list[Path]
+    index: dict[str, tuple[Path, dict[str, Any], int]]  # tensor name -> (file, header, data start)
+    prefix: str  # what the checkpoint puts before the adapter's names ("model.", "")
+    owner: dict[str, int] = field(default_factory=dict)  # rewritten tensor -> its layer
+
+
+def canonicalize(in_dir: str | Path, out_dir: str | Path, *, drop_key_bias: bool | None = None,
+                 fold_value_bias: bool | None = None, balance: bool | None = None,
                  force: bool = False, end_to_end_max_bytes: int = 2 * 1024**3) -> dict[str, Any]:
-    """Canonicalize a checkpoint directory; returns the report. See the module docstring."""
+    """Canonicalize a checkpoint directory; returns the report. See the module docstring.
+
+    ``None`` for an operation means: do it wherever it applies to the architecture.
+    """
     start = time.perf_counter()
+    src, dst = _check_dirs(in_dir, out_dir, force)
+    plan = make_plan(src)
+    ops = Operations(
+        drop_key_bias=(any("k" in s.bias and s.qk_norm == "none" and s.pass_dims for s in plan.specs)
+                       if drop_key_bias is None else drop_key_bias),
+        fold_value_bias=(any({"v", "o"} <= s.bias for s in plan.specs)
+                         if fold_value_bias is None else fold_value_bias),
+        balance=True if balance is None else balance,
+    )
+    stats = {"max_abs_diff": 0.0, "max_rel_diff": 0.0, "key_bias_dropped": 0,
+             "value_bias_folded": 0, "heads_balanced": 0}
+    e2e = _write_verified(plan, ops, stats, dst, end_to_end_max_bytes)
+    return {**stats, "end_to_end_rel_diff": e2e, "layers": len(plan.specs),
+            "operations": asdict(ops), "architecture": plan.adapter.family,
+            "seconds": time.perf_counter() - start, "out_dir": str(dst)}
+
+
+def _check_dirs(in_dir: str | Path, out_dir: str | Path, force: bool) -> tuple[Path, Path]:
     src, dst = Path(in_dir).resolve(), Path(out_dir).resolve()
     if not src.is_dir():
         raise AttnidError(f"{in_dir} is not a directory")
@@ -51,6 +91,11 @@ def canonicalize(in_dir: str | Path, out_dir: str | Path, *, drop_key_bias_: boo
         raise AttnidError("OUT_DIR must differ from IN_DIR (the input is never modified)")
     if dst.exists() and any(dst.iterdir()) and not force:
         raise AttnidError(f"{out_dir} exists and is not empty (use --force to replace it)")
+    return src, dst
+
+
+def make_plan(src: Path) -> Plan:
+    """Read config and headers; check every attention tensor the adapter names is there."""
     _, config = load_config(str(src))
     adapter = adapter_for(config)
     if not adapter.closed_form:
@@ -58,91 +103,85 @@ def canonicalize(in_dir: str | Path, out_dir: str | Path, *, drop_key_bias_: boo
     specs = adapter.specs(config)
     files = weight_files(src)
     index = all_names(files)
-    prefix = _prefix(index, adapter.names(0, specs[0])[0])
-    ops = Operations(
-        drop_key_bias=(any("k" in s.bias and s.qk_norm == "none" and s.pass_dims for s in specs)
-                       if drop_key_bias_ is None else drop_key_bias_),
-        fold_value_bias=(any({"v", "o"} <= s.bias for s in specs)
-                         if fold_value_bias_ is None else fold_value_bias_),
-        balance=True if balance is None else balance,
-    )
-    owner: dict[str, int] = {}
+    plan = Plan(src, config, adapter, specs, files, index, _prefix(index, adapter.names(0, specs[0])[0]))
     for i, s in enumerate(specs):
         for n in adapter.names(i, s):
-            if prefix + n not in index:
-                raise AttnidError(f"checkpoint lacks {prefix + n} (layer {i} of {adapter.family})")
-            owner[prefix + n] = i
+            if plan.prefix + n not in index:
+                raise AttnidError(f"checkpoint lacks {plan.prefix + n} (layer {i} of {adapter.family})")
+            plan.owner[plan.prefix + n] = i
+    return plan
 
-    stats = {"max_abs_diff": 0.0, "max_rel_diff": 0.0, "key_bias_dropped": 0,
-             "value_bias_folded": 0, "heads_balanced": 0}
+
+def rewrite_layer(plan: Plan, i: int, ops: Operations, stats: dict[str, Any],
+                  gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Layer ``i``'s rewritten tensors (full names, stored dtype), checked in float64 first."""
+    s, adapter, prefix = plan.specs[i], plan.adapter, plan.prefix
+    raw = {}
+    for n in adapter.names(i, s):
+        p, header, st = plan.index[prefix + n]
+        raw[n] = read_tensor(p, header, st, prefix + n)
+        if not torch.isfinite(raw[n]).all():
+            raise AttnidError(f"{prefix + n} holds NaN or Inf values")
+    dtype = next(iter(raw.values())).dtype
+    w0 = adapter.read({k: v.double() for k, v in raw.items()}, i, s)
+    written = {k: v.to(dtype) for k, v in adapter.write(transform(w0, ops, stats), i).items()}
+    for k, v in written.items():
+        if tuple(v.shape) != tuple(raw[k].shape):
+            raise AttnidError(f"internal: {k} changed shape {tuple(raw[k].shape)} -> {tuple(v.shape)}")
+    stored = adapter.read({k: v.double() for k, v in written.items()}, i, s)
+    _check_layer(w0, stored, dtype, gen, stats, i)
+    return {prefix + k: v for k, v in written.items()}
+
+
+def _write_verified(plan: Plan, ops: Operations, stats: dict[str, Any], dst: Path,
+                    end_to_end_max_bytes: int) -> float | None:
+    """Write into a fresh sibling of ``dst``, verify, then move it into place; returns the
+    end-to-end relative difference (``None`` when the checkpoint is too big to load twice)."""
     cache: dict[str, torch.Tensor] = {}
     gen = torch.Generator().manual_seed(0)
-
-    def layer_tensors(i: int) -> None:
-        s = specs[i]
-        raw = {}
-        for n in adapter.names(i, s):
-            p, header, st = index[prefix + n]
-            raw[n] = read_tensor(p, header, st, prefix + n)
-        dtype = next(iter(raw.values())).dtype
-        for n, t in raw.items():
-            if not torch.isfinite(t).all():
-                raise AttnidError(f"{prefix + n} holds NaN or Inf values")
-        w0 = adapter.read({k: v.double() for k, v in raw.items()}, i, s)
-        w1 = transform(w0, ops, stats)
-        written = {k: v.to(dtype) for k, v in adapter.write(w1, i).items()}
-        for k, v in written.items():
-            if tuple(v.shape) != tuple(raw[k].shape):
-                raise AttnidError(f"internal: {k} changed shape {tuple(raw[k].shape)} -> {tuple(v.shape)}")
-        stored = adapter.read({k: v.double() for k, v in written.items()}, i, s)
-        _check_layer(w0, stored, dtype, gen, stats, i)
-        cache.update({prefix + k: v for k, v in written.items()})
-
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
+    tmp = dst.parent / f".{dst.name}.{secrets.token_hex(4)}.tmp"
+    tmp.mkdir()  # mode 0o777 less the umask, like any folder the user creates
     try:
-        _copy_other_files(src, tmp, {p.name for p in files})
-        for p in files:
+        _copy_other_files(plan.src, tmp, {p.name for p in plan.files})
+        for p in plan.files:
             header, st = read_header(p)
-            entries = [(n, v["dtype"], v["shape"]) for n, v in header.items() if n != "__metadata__"]
+            entries = [(n, v["dtype"], v["shape"], v["data_offsets"][1] - v["data_offsets"][0])
+                       for n, v in header.items() if n != "__metadata__"]
 
             def produce(name: str, p=p, header=header, st=st) -> torch.Tensor | bytes:
-                if name in owner:
+                if name in plan.owner:
                     if name not in cache:
-                        layer_tensors(owner[name])
+                        cache.update(rewrite_layer(plan, plan.owner[name], ops, stats, gen))
                     return cache.pop(name)
-                return read_bytes(p, header, st, name)  # untouched: copied as stored
+                return read_bytes(p, header, st, name)  # untouched: copied as stored, any dtype
 
             write_streaming(tmp / p.name, entries, produce, header.get("__metadata__"))
-        total_bytes = sum(p.stat().st_size for p in files)
         e2e = None
-        if total_bytes <= end_to_end_max_bytes:
-            e2e = _end_to_end(src, tmp, config)
-            dtype = _checkpoint_dtype(files[0])
-            if e2e > 10 * TOL.get(dtype, 1e-5):
+        if sum(p.stat().st_size for p in plan.files) <= end_to_end_max_bytes:
+            e2e = _end_to_end(plan.src, tmp, plan.config)
+            if e2e > 10 * TOL.get(_checkpoint_dtype(plan.files[0]), 1e-5):
                 raise AttnidError(f"refused: the rewritten model's outputs differ by {e2e:.2e} "
                                   "(relative); nothing was written")
         if dst.exists():
             shutil.rmtree(dst)
-        tmp.replace(dst)
+        os.replace(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return {**stats, "end_to_end_rel_diff": e2e, "layers": len(specs),
-            "operations": ops.__dict__, "architecture": adapter.family,
-            "seconds": time.perf_counter() - start, "out_dir": str(dst)}
+    return e2e
 
 
 def transform(w: AttentionWeights, ops: Operations, stats: dict[str, Any]) -> AttentionWeights:
     s = w.spec
     if ops.drop_key_bias and w.b_K is not None and s.qk_norm == "none" and s.pass_dims:
-        w = drop_key_bias(w)
+        w = zero_free_key_bias(w)
         stats["key_bias_dropped"] += 1
     if ops.fold_value_bias and w.b_V is not None and w.b_O is not None:
-        w = fold_value_bias(w)
+        w = fold_value_bias_into_output(w)
         stats["value_bias_folded"] += 1
     if ops.balance:
-        w = rebalance_qk(w, mode="auto", align=True, bias_rows=False)
+        w = rebalance_qk(w, group="auto", align=True, bias_rows=False)
         w = rebalance_vo(w, align=True, fold=False, bias_rows=False)
         stats["heads_balanced"] += s.n_heads
     return w
@@ -182,8 +221,6 @@ def _copy_other_files(src: Path, dst: Path, weights: set[str]) -> None:
 
 
 def _checkpoint_dtype(path: Path) -> torch.dtype:
-    from attnid.io import DTYPES
-
     header, _ = read_header(path)
     kinds = [v["dtype"] for k, v in header.items() if k != "__metadata__"]
     return DTYPES.get(max(set(kinds), key=kinds.count), torch.float32)
@@ -191,7 +228,8 @@ def _checkpoint_dtype(path: Path) -> torch.dtype:
 
 def _end_to_end(src: Path, out: Path, config: dict[str, Any]) -> float:
     """Load both checkpoints with transformers, run probe tokens, return the relative difference."""
-    import transformers
+    require("transformers", "hf")
+    import transformers  # optional heavy dependency: loaded only here
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import stat
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,7 @@ import torch
 from attnid.adapters import adapter_for
 from attnid.adapters.config import load_config
 from attnid.cli import main
-from attnid.io import read_header, read_tensor
+from attnid.io import read_bytes, read_header, read_tensor, write_streaming
 
 
 def _digest(d: Path) -> dict[str, str]:
@@ -169,7 +171,7 @@ def test_bad_inputs_are_refused_cleanly(tmp_path, capsys):
     c = json.loads((shapes / "config.json").read_text())
     c["hidden_size"] = 64
     (shapes / "config.json").write_text(json.dumps(c))
-    _expect_refusal(capsys, shapes, tmp_path / "o5", "")
+    _expect_refusal(capsys, shapes, tmp_path / "o5", "has shape")
     # NaN weights
     nan = tmp_path / "nan"
     from safetensors.torch import load_file, save_file
@@ -196,3 +198,80 @@ def test_bundled_config_names_do_not_count_as_checkpoints(tmp_path, capsys):
     code, _, err = _canon(capsys, Path("gpt2"), tmp_path / "x")
     assert code == 2 and "not a directory" in err
     assert load_config("gpt2")[0] == "gpt2"  # the name is a bundled config, not weights
+
+
+# tensors stored in dtypes attnid does not read (float8, unsigned ints): (dtype, bytes per item)
+EXOTIC = {"F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
+
+
+def _with_tensors(src: Path, dst: Path, extra: dict[str, tuple[str, list[int], bytes]]) -> None:
+    """Copy the model directory ``src`` to ``dst``, its safetensors file with ``extra`` tensors
+    added or replacing stored ones (name -> dtype, shape, raw bytes)."""
+    shutil.copytree(src, dst)
+    path = dst / "model.safetensors"
+    header, start = read_header(path)
+    stored = {n: (v["dtype"], v["shape"], read_bytes(path, header, start, n))
+              for n, v in header.items() if n != "__metadata__"}
+    stored.update(extra)
+    entries = [(n, dt, shape, len(raw)) for n, (dt, shape, raw) in stored.items()]
+    write_streaming(path, entries, lambda n: stored[n][2], header.get("__metadata__"))
+
+
+def _exotic(seed: int, names: dict[str, int]) -> dict[str, tuple[str, list[int], bytes]]:
+    gen = torch.Generator().manual_seed(seed)
+    return {f"extra.{dt.lower()}": (dt, [3, 5], bytes(torch.randint(0, 256, (15 * size,), generator=gen,
+                                                                      dtype=torch.uint8).tolist()))
+            for dt, size in names.items()}
+
+
+def _stored_bytes(path: Path) -> dict[str, tuple[str, bytes]]:
+    header, start = read_header(path)
+    return {n: (v["dtype"], read_bytes(path, header, start, n))
+            for n, v in header.items() if n != "__metadata__"}
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_untouched_tensors_of_any_dtype_are_copied_byte_for_byte(kind, tmp_path, capsys):
+    extra = _exotic(0, EXOTIC)
+    src = tmp_path / f"{kind}-exotic"
+    _with_tensors(_save_random(kind, tmp_path), src, extra)
+    out = tmp_path / "out"
+    code, _, err = _canon(capsys, src, out)
+    assert code == 0, err
+    got = _stored_bytes(out / "model.safetensors")
+    for name, (dt, _, raw) in extra.items():
+        assert got[name] == (dt, raw), f"{name} ({dt}) was not copied byte for byte"
+
+
+def test_real_minilm_with_a_float8_tensor(minilm, tmp_path, capsys):
+    # measured once: one extra float8 tensor made the rewrite fail with KeyError: 'F8_E4M3'
+    extra = _exotic(1, {"F8_E4M3": 1})
+    src = tmp_path / "minilm-f8"
+    _with_tensors(minilm, src, extra)
+    code, rep, err = _canon(capsys, src, tmp_path / "out")
+    assert code == 0, err
+    assert rep["key_bias_dropped"] == 6 and rep["end_to_end_rel_diff"] < 1e-5
+    assert _stored_bytes(tmp_path / "out" / "model.safetensors")["extra.f8_e4m3"] == ("F8_E4M3",
+                                                                                     extra["extra.f8_e4m3"][2])
+
+
+def test_unsupported_dtype_in_a_rewritten_tensor_is_one_error_line(tmp_path, capsys):
+    src = _save_random("llama", tmp_path)
+    name = "model.layers.1.self_attn.q_proj.weight"
+    header, _ = read_header(src / "model.safetensors")
+    shape = header[name]["shape"]
+    bad = tmp_path / "f8-query"
+    _with_tensors(src, bad, {name: ("F8_E4M3", shape, bytes(shape[0] * shape[1]))})
+    _expect_refusal(capsys, bad, tmp_path / "o", "stored as F8_E4M3")
+
+
+def test_output_folder_respects_the_umask(tmp_path, capsys):
+    src = _save_random("gpt2", tmp_path)
+    old = os.umask(0o022)
+    try:
+        code, _, err = _canon(capsys, src, tmp_path / "out")
+    finally:
+        os.umask(old)
+    assert code == 0, err
+    mode = stat.S_IMODE((tmp_path / "out").stat().st_mode)
+    assert mode == 0o755, f"output folder mode {oct(mode)}, expected 0o755 under umask 022"

@@ -1,6 +1,7 @@
 """The numerical arbiter: Jacobian rank in float64, and its comparison with the closed form."""
 
 from attnid.arbiter.compare import Verification, verify, verify_module
-from attnid.arbiter.rank import ArbiterResult, jacobian_rank, randomize_
+from attnid.arbiter.rank import ArbiterResult, jacobian_rank, near_unidentified, randomize_
 
-__all__ = ["ArbiterResult", "Verification", "jacobian_rank", "randomize_", "verify", "verify_module"]
+__all__ = ["ArbiterResult", "Verification", "jacobian_rank", "near_unidentified",
+           "randomize_", "verify", "verify_module"]

@@ -10,6 +10,11 @@ independent sequences) are never stored. Instead ``S = Omega J`` with a Gaussian
 (``torch.func.vjp`` under ``vmap``, chunked so memory stays bounded), and the singular
 values of ``S`` are computed once. ``rank(S) = rank(J)`` with probability one, and
 ``S`` is barely larger than the ``P x P`` floor of any exact dense rank decision.
+
+Near-unidentified directions have one definition (docs/theory.md §NEAR): null when the
+norms' epsilon is 0 but not at the given epsilon. :func:`near_unidentified` is that
+definition; :func:`jacobian_rank` applies it when given ``without_eps``; nothing reads
+"near" off a singular-value band.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import copy
 import math
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,13 +34,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from attnid.errors import AttnidError
 
 ForwardFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+EpsFreeFn = Callable[[nn.Module], nn.Module]  # a copy of the module with every norm's eps = 0
 
 # Relative singular-value thresholds (sigma / sigma_max), by working precision.
 # float64 kernels put exact symmetries near 1e-15; kernels that compute softmax or
-# rotary tables in float32 put them near 1e-8 (THEORY.md).
+# rotary tables in float32 put them near 1e-8 (docs/theory.md §ARBITER).
 EXACT_RTOL = {"float64": 1e-10, "float32": 1e-6}
-NEAR_RTOL = 1e-4  # near-null directions start below this ...
-NEAR_GAP = 20.0  # ... under a gap of at least this ratio
 
 
 @dataclass(frozen=True)
@@ -42,13 +47,12 @@ class ArbiterResult:
     """What the arbiter found at one point."""
 
     n_params: int
-    rank: int
+    rank: int  # n_params - nullity - near_nullity
     nullity: int  # singular values below rtol * sigma_max: exactly unidentified
-    near_nullity: int  # between rtol and near_rtol: identified only barely (a norm's eps)
-    spectral_gap: float | None  # smallest kept / largest dropped singular value
-    singular_values: torch.Tensor  # all of them, descending, float64
+    near_nullity: int  # null at eps = 0 but not at the module's eps (0 unless without_eps given)
+    spectral_gap: float | None  # smallest kept / largest dropped singular value (worst run)
+    singular_values: torch.Tensor  # all of them, descending, float64 (at the module's eps)
     rtol: float
-    near_rtol: float
     n_sequences: int
     seq_len: int
     n_rows: int
@@ -68,9 +72,20 @@ class ArbiterResult:
         }
 
 
+def near_unidentified(nullity_at_eps: int, nullity_at_zero: int) -> int:
+    """The definition: directions exactly null at eps = 0 that the given eps identifies.
+
+    Every symmetry at eps > 0 is one at eps = 0, so the difference is never negative at a
+    generic point; a negative one (numerical noise) counts as none.
+
+    >>> near_unidentified(64, 66)
+    2
+    """
+    return max(nullity_at_zero - nullity_at_eps, 0)
+
+
 def default_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    out = module(x)
-    return out[0] if isinstance(out, (tuple, list)) else out
+    return _first(module(x))
 
 
 def randomize_(module: nn.Module, seed: int = 0) -> nn.Module:
@@ -109,7 +124,7 @@ def jacobian_rank(
     n_sequences: int | None = None,
     seed: int = 0,
     rtol: float | None = None,
-    near_rtol: float = NEAR_RTOL,
+    without_eps: EpsFreeFn | None = None,
     oversample: int = 16,
     chunk_rows: int | None = None,
     return_null_space: bool = False,
@@ -119,7 +134,10 @@ def jacobian_rank(
     ``inputs`` default to Gaussian ``[n_sequences, seq_len, d_model]`` with enough
     sequences (:func:`sequences_needed`); ``d_model`` is read from ``module.spec`` when
     not given. ``rtol`` defaults to the float64 threshold; pass ``EXACT_RTOL["float32"]``
-    for modules that compute internally in float32.
+    for modules that compute internally in float32. With ``without_eps`` (a function
+    returning the module with every norm's epsilon at 0, same weights) the same inputs
+    are decided again and the difference is the near-unidentified count
+    (:func:`near_unidentified`).
 
     >>> from attnid import Attention, AttentionSpec
     >>> layer = randomize_(Attention(AttentionSpec(d_model=8, n_heads=2)))
@@ -127,66 +145,103 @@ def jacobian_rank(
     64
     """
     start = time.perf_counter()
-    work = copy.deepcopy(module).to(torch.float64)
-    named = [(n, p.detach()) for n, p in work.named_parameters() if p.requires_grad]
-    if not named:
-        raise AttnidError("the module has no trainable parameters")
-    names, tensors = zip(*named, strict=True)
-    shapes = [t.shape for t in tensors]
-    sizes = [t.numel() for t in tensors]
-    flat0 = torch.cat([t.reshape(-1) for t in tensors])
-    P = flat0.numel()
-    if not torch.isfinite(flat0).all():
-        raise AttnidError("the module has NaN or Inf parameters; the arbiter needs a finite point")
+    work = _float64_copy(module)
+    P = sum(p.numel() for p in _trainable(work).values())
+    x = (_default_inputs(module, P, d_model, seq_len, n_sequences, seed) if inputs is None
+         else inputs).to(torch.float64)
+    tol = EXACT_RTOL["float64"] if rtol is None else rtol
+    sv, Vh, N = _spectrum(work, x, forward, seed, oversample, chunk_rows, return_null_space)
+    nullity, gap = split_spectrum(sv, P, tol)
+    near = 0
+    if without_eps is not None:
+        sv0, _, _ = _spectrum(without_eps(work).to(torch.float64), x, forward, seed, oversample,
+                              chunk_rows, False)
+        nullity0, gap0 = split_spectrum(sv0, P, tol)
+        near = near_unidentified(nullity, nullity0)
+        gap = min((g for g in (gap, gap0) if g is not None), default=None)
+    return ArbiterResult(
+        n_params=P, rank=P - nullity - near, nullity=nullity, near_nullity=near, spectral_gap=gap,
+        singular_values=sv, rtol=tol, n_sequences=x.shape[0], seq_len=x.shape[1], n_rows=N,
+        seconds=time.perf_counter() - start,
+        null_space=None if Vh is None else Vh[P - nullity :].T,
+    )
 
-    if inputs is None:
-        width = d_model if d_model is not None else getattr(getattr(module, "spec", None), "d_model", None)
-        if width is None:
-            raise AttnidError("give inputs or d_model: the module has no .spec to read the width from")
-        n_seq = n_sequences or sequences_needed(P, seq_len, width)
-        gen = torch.Generator().manual_seed(10_000 + seed)
-        inputs = torch.randn(n_seq, seq_len, width, generator=gen, dtype=torch.float64)
-    x = inputs.to(torch.float64)
+
+def _float64_copy(module: nn.Module) -> nn.Module:
+    """The arbiter's own float64 copy, refused when it has no trainable or non-finite parameters."""
+    work = copy.deepcopy(module).to(torch.float64)
+    params = _trainable(work)
+    if not params:
+        raise AttnidError("the module has no trainable parameters")
+    if not all(bool(torch.isfinite(p).all()) for p in params.values()):
+        raise AttnidError("the module has NaN or Inf parameters; the arbiter needs a finite point")
+    return work
+
+
+def _trainable(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach() for n, p in module.named_parameters() if p.requires_grad}
+
+
+def _default_inputs(module: nn.Module, n_params: int, d_model: int | None, seq_len: int,
+                    n_sequences: int | None, seed: int) -> torch.Tensor:
+    """Seeded Gaussian sequences ``[n_sequences, seq_len, d_model]``, enough of them for ``3P`` rows."""
+    width = d_model if d_model is not None else getattr(getattr(module, "spec", None), "d_model", None)
+    if width is None:
+        raise AttnidError("give inputs or d_model: the module has no .spec to read the width from")
+    n_seq = n_sequences or sequences_needed(n_params, seq_len, width)
+    gen = torch.Generator().manual_seed(10_000 + seed)
+    return torch.randn(n_seq, seq_len, width, generator=gen, dtype=torch.float64)
+
+
+def _spectrum(work: nn.Module, x: torch.Tensor, forward: ForwardFn, seed: int, oversample: int,
+              chunk_rows: int | None, with_vectors: bool
+              ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """Singular values of the sketch ``Omega J`` (descending), ``V^H`` when asked, and ``N``."""
+    params = _trainable(work)
+    names = list(params)
+    shapes = [t.shape for t in params.values()]
+    sizes = [t.numel() for t in params.values()]
+    flat0 = torch.cat([t.reshape(-1) for t in params.values()])
 
     def f(flat: torch.Tensor) -> torch.Tensor:
-        params = {n: t.view(s) for n, t, s in zip(names, flat.split(sizes), shapes, strict=False)}
-        return forward_call(work, params, x, forward).reshape(-1)
+        swapped = {n: t.view(s) for n, t, s in zip(names, flat.split(sizes), shapes, strict=True)}
+        return forward_call(work, swapped, x, forward).reshape(-1)
 
     with sdpa_kernel([SDPBackend.MATH]):  # decomposed SDPA: every op has a batching rule
         out, pullback = vjp(f, flat0)
-    N = out.numel()
-    if chunk_rows is None:  # small batches of cotangents run fastest (memory bandwidth);
-        chunk_rows = max(16, min(128, 2**24 // max(N, 1)))  # and at most ~128 MB of them
-    sketch = _sketch(pullback, N, P, oversample, chunk_rows, seed)
-    null_space = None
-    if return_null_space:
+        N = out.numel()
+        if chunk_rows is None:  # small batches of cotangents run fastest (memory bandwidth);
+            chunk_rows = max(16, min(128, 2**24 // max(N, 1)))  # and at most ~128 MB of them
+        sketch = _sketch(pullback, N, flat0.numel(), oversample, chunk_rows, seed)
+    if with_vectors:
         _, sv, Vh = torch.linalg.svd(sketch, full_matrices=True)
-    else:
-        sv = torch.linalg.svdvals(sketch)  # descending
-    tol = EXACT_RTOL["float64"] if rtol is None else rtol
-    rank, nullity, near, gap = classify(sv, P, tol, near_rtol)
-    if return_null_space:
-        null_space = Vh[P - nullity :].T
-    return ArbiterResult(
-        n_params=P, rank=rank, nullity=nullity, near_nullity=near, spectral_gap=gap,
-        singular_values=sv, rtol=tol, near_rtol=near_rtol, n_sequences=x.shape[0],
-        seq_len=x.shape[1], n_rows=N, seconds=time.perf_counter() - start, null_space=null_space,
-    )
+        return sv, Vh, N
+    return torch.linalg.svdvals(sketch), None, N
+
+
+class _Forward(nn.Module):
+    """Wraps ``forward(module, x)`` as a module so `torch.func.functional_call` can run it."""
+
+    def __init__(self, inner: nn.Module, forward: ForwardFn) -> None:
+        super().__init__()
+        self.inner = inner
+        self.fn = forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(self.inner, x)
 
 
 def forward_call(module: nn.Module, params: dict[str, torch.Tensor], x: torch.Tensor,
                  forward: ForwardFn) -> torch.Tensor:
-    """Run ``forward(module, x)`` with ``params`` swapped in (functionally)."""
-    return functional_call(module, params, (x,), strict=False) if forward is default_forward \
-        else _call_with(module, params, x, forward)
+    """Run ``forward(module, x)`` with ``params`` swapped in (functionally, public API only)."""
+    if forward is default_forward:
+        return _first(functional_call(module, params, (x,), strict=False))
+    wrapped = _Forward(module, forward)
+    return functional_call(wrapped, {f"inner.{n}": t for n, t in params.items()}, (x,), strict=False)
 
 
-def _call_with(module: nn.Module, params: dict[str, torch.Tensor], x: torch.Tensor,
-               forward: ForwardFn) -> torch.Tensor:
-    from torch.nn.utils.stateless import _reparametrize_module
-
-    with _reparametrize_module(module, params):
-        return forward(module, x)
+def _first(out: torch.Tensor | tuple | list) -> torch.Tensor:
+    return out[0] if isinstance(out, (tuple, list)) else out
 
 
 def _sketch(pullback: Callable, n_rows: int, n_params: int, oversample: int,
@@ -197,6 +252,7 @@ def _sketch(pullback: Callable, n_rows: int, n_params: int, oversample: int,
     exact = k == n_rows  # few outputs: take J itself (Omega = identity)
     sketch = torch.empty(k, n_params, dtype=torch.float64)
     batched = vmap(lambda w: pullback(w)[0])
+    row_by_row = False
     for lo in range(0, k, chunk_rows):
         hi = min(k, lo + chunk_rows)
         if exact:
@@ -205,42 +261,50 @@ def _sketch(pullback: Callable, n_rows: int, n_params: int, oversample: int,
             # Gaussian drawn in float32 (3x cheaper to generate than float64, which is a
             # quarter of the whole call at P ~ 1,000); any such draw keeps rank(Omega J).
             omega = torch.randn(hi - lo, n_rows, generator=gen, dtype=torch.float32).double()
-        try:
-            sketch[lo:hi] = batched(omega)
-        except RuntimeError:  # ops without a batching rule: one row at a time
-            for i in range(hi - lo):
-                sketch[lo + i] = pullback(omega[i])[0]
+        if not row_by_row:
+            try:
+                sketch[lo:hi] = batched(omega)
+                continue
+            except torch.OutOfMemoryError:
+                raise AttnidError(f"out of memory in the arbiter with {hi - lo} cotangent rows at "
+                                  f"once: pass a smaller chunk_rows (P = {n_params})") from None
+            except RuntimeError as e:
+                if not _is_vmap_limit(e):
+                    raise
+                warnings.warn(f"the forward cannot run under vmap ({str(e).splitlines()[0]}); "
+                              "the arbiter falls back to one row at a time (slower)", stacklevel=3)
+                row_by_row = True
+        for i in range(hi - lo):
+            sketch[lo + i] = pullback(omega[i])[0]
     return sketch
 
 
-def classify(sv: torch.Tensor, n_params: int, rtol: float, near_rtol: float,
-             near_gap: float = NEAR_GAP) -> tuple[int, int, int, float | None]:
-    """Split singular values into kept, near-null and null; return rank, nullity, near, gap.
+def _is_vmap_limit(e: RuntimeError) -> bool:
+    """A forward that vmap cannot batch (data-dependent ``.item()``, in-place on a captured tensor,
+    an op without a batching rule) raises RuntimeError naming vmap or batching; nothing else does."""
+    text = str(e).lower()
+    return "vmap" in text or "batching rule" in text or "batched tensor" in text
 
-    Null: below ``rtol * sigma_max``. Near-null: the values under the widest gap
-    (at least ``near_gap`` wide) that opens below ``near_rtol * sigma_max``; a norm's
-    epsilon puts such directions a few decades under every genuine direction.
+
+def split_spectrum(sv: torch.Tensor, n_params: int, rtol: float) -> tuple[int, float | None]:
+    """``(nullity, spectral gap)``: singular values below ``rtol * sigma_max`` are null.
+
+    A sketch shorter than ``P`` has implicit zeros. The gap is the smallest kept over the
+    largest dropped value (``inf`` when the dropped ones are exactly 0; ``None`` without any).
+
+    >>> split_spectrum(torch.tensor([2.0, 1.0, 2.0**-40]), 3, 1e-10)
+    (1, 1099511627776.0)
+    >>> split_spectrum(torch.tensor([2.0, 1.0]), 4, 1e-10)   # two implicit zeros
+    (2, inf)
     """
     full = torch.zeros(n_params, dtype=torch.float64)
-    full[: min(n_params, sv.numel())] = sv[:n_params]  # a short sketch has implicit zeros
+    full[: min(n_params, sv.numel())] = sv[:n_params]
     top = float(full[0]) if n_params else 0.0
     if top == 0.0:
-        return 0, n_params, 0, None
-    rel = full / top
-    nullity = int((rel < rtol).sum())
-    live = rel[: n_params - nullity]  # descending, all >= rtol
-    near = 0
-    below = (live < near_rtol).nonzero()
-    if below.numel():
-        first = max(int(below[0]), 1)  # first index under the ceiling (keep sigma_max)
-        ratios = live[first - 1 : -1] / live[first:]  # gap between i-1 and i, for i >= first
-        best = int(torch.argmax(ratios))
-        if float(ratios[best]) >= near_gap:
-            near = live.numel() - (first + best)
-    rank = n_params - nullity - near
-    gap = None
-    if nullity:
-        smallest_kept = float(full[n_params - nullity - 1])
-        largest_dropped = float(full[n_params - nullity])
-        gap = math.inf if largest_dropped == 0.0 else smallest_kept / largest_dropped
-    return rank, nullity, near, gap
+        return n_params, None
+    nullity = int((full / top < rtol).sum())
+    if nullity == 0:
+        return 0, None
+    smallest_kept = float(full[n_params - nullity - 1])
+    largest_dropped = float(full[n_params - nullity])
+    return nullity, (math.inf if largest_dropped == 0.0 else smallest_kept / largest_dropped)

@@ -56,8 +56,9 @@ def verify_cmd(
     rope_pairing: RopePairing = "half", qk_norm: QKNormOpt = "none",
     qk_norm_eps: QKNormEps = 1e-6,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random point.")] = 0,
-    confirm: Annotated[bool, typer.Option(
-        "--confirm/--no-confirm", help="Recount at a second seed with twice the sequences.")] = True,
+    confirm: Annotated[bool | None, typer.Option(
+        "--confirm/--no-confirm", help="Recount at a second seed with twice the sequences "
+        "(default: only when the first count disagrees or its spectral gap is narrow).")] = None,
     hf_config: Annotated[str | None, typer.Option(
         "--hf-config", help="Check a Hugging Face attention class, reduced from this config.")] = None,
     json_out: Json = False,

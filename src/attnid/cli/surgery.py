@@ -28,8 +28,8 @@ def canonicalize_cmd(
     """
     from attnid.surgery import canonicalize
 
-    result = canonicalize(in_dir, out_dir, drop_key_bias_=drop_key_bias,
-                          fold_value_bias_=fold_value_bias, balance=balance, force=force)
+    result = canonicalize(in_dir, out_dir, drop_key_bias=drop_key_bias,
+                          fold_value_bias=fold_value_bias, balance=balance, force=force)
     if json_out:
         emit_json(result)
     else:

@@ -22,7 +22,7 @@ class Gauge:
     S: torch.Tensor | None = None  # [..., G, dk, dk] QK gauge, in the RoPE commutant
     kappa: torch.Tensor | None = None  # [..., G, dk] key-bias shift on pass-through dims
     C: torch.Tensor | None = None  # [..., G, dv, dv] VO gauge
-    beta: torch.Tensor | None = None  # [..., G, dv] value-bias shift, compensated in b_O
+    nu: torch.Tensor | None = None  # [..., G, dv] value-bias shift, compensated in b_O
     log_t: torch.Tensor | None = None  # [..., dk] QK-norm gain transfer (tied in planes)
     c_q: torch.Tensor | None = None  # [..., H] QK-norm query scales (> 0; exact when eps = 0)
     c_k: torch.Tensor | None = None  # [..., G] QK-norm key scales
@@ -52,13 +52,13 @@ def random_gauge(w: AttentionWeights, *, scale: float = 0.5, seed: int = 0,
             out["c_k"] = torch.exp(scale * rnd(G))
     out["C"] = eye(dv) + scale * rnd(G, dv, dv) / dv**0.5
     if w.b_V is not None:
-        beta = bias_shift * rnd(G, dv)
+        nu = bias_shift * rnd(G, dv)
         if w.b_O is None:  # only shifts that the other groups' biases cannot see
             tmap = TangentMap(w.replace(W_O=_gauged_out(w.W_O, out["C"], s.group_size)), "vo")
-            basis = tmap.beta_basis  # [..., G*dv, k]
-            coef = (basis.transpose(-1, -2) @ beta.reshape(*b, -1, 1))
-            beta = (basis @ coef).reshape(*b, G, dv)
-        out["beta"] = beta
+            basis = tmap.nu_basis  # [..., G*dv, k]
+            coef = (basis.transpose(-1, -2) @ nu.reshape(*b, -1, 1))
+            nu = (basis @ coef).reshape(*b, G, dv)
+        out["nu"] = nu
     return Gauge(**out)
 
 
@@ -97,9 +97,9 @@ def apply_gauge(w: AttentionWeights, g: Gauge) -> AttentionWeights:
         new["W_O"] = _gauged_out(w.W_O, g.C, m)
         if w.b_V is not None:
             new["b_V"] = (w.b_V.unsqueeze(-2) @ g.C).squeeze(-2)
-    if g.beta is not None:
+    if g.nu is not None:
         out_w = w.replace(**{k: v for k, v in new.items() if k == "W_O"})
-        new["b_V"] = new.get("b_V", w.b_V) + g.beta
+        new["b_V"] = new.get("b_V", w.b_V) + g.nu
         if w.b_O is not None:
-            new["b_O"] = w.b_O - torch.einsum("...gv,...gvd->...d", g.beta, group_sum_out(out_w))
+            new["b_O"] = w.b_O - torch.einsum("...gv,...gvd->...d", g.nu, group_sum_out(out_w))
     return w.replace(**new)

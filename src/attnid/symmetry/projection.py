@@ -22,18 +22,19 @@ def _dot(a: Gens, b: Gens, nb: int) -> torch.Tensor:
     return sum((a[k] * b[k]).sum(dim=tuple(range(nb, a[k].ndim))) for k in a)  # type: ignore[return-value]
 
 
-def _axpy(alpha: torch.Tensor, x: Gens, y: Gens) -> Gens:
-    return {k: y[k] + _bc(alpha, x[k]) * x[k] for k in y}
+def _axpy(a: torch.Tensor, x: Gens, y: Gens) -> Gens:
+    """``y + a x`` per generator, ``a`` one scalar per batch entry."""
+    return {k: y[k] + _bc(a, x[k]) * x[k] for k in y}
 
 
-def _bc(alpha: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    return alpha.reshape(*alpha.shape, *([1] * (like.ndim - alpha.ndim)))
+def _bc(a: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return a.reshape(*a.shape, *([1] * (like.ndim - a.ndim)))
 
 
 class _Preconditioner:
     """Symmetric block elimination: Sylvester solve for the gauge, exact solve for translations.
 
-    For generators ``(x, y)`` = (gauge ``M``/``C``, translation ``kappa``/``beta``) the normal
+    For generators ``(x, y)`` = (gauge ``M``/``C``, translation ``kappa``/``nu``) the normal
     operator is ``[[A, B], [B^T, D]]``. With ``S`` the Sylvester operator whose Gram
     matrices leave out the bias rows that the translation frees, this applies the exact
     inverse of ``[[S + B D^-1 B^T, B], [B^T, D]]``: symmetric positive definite (so CG
@@ -48,7 +49,7 @@ class _Preconditioner:
         self.D_chol: torch.Tensor | None = None
         gens = tmap.zeros()
         self.main = "M" if "M" in gens else ("C" if "C" in gens else None)
-        self.trans = "kappa" if "kappa" in gens else ("beta" if "beta" in gens else None)
+        self.trans = "kappa" if "kappa" in gens else ("nu" if "nu" in gens else None)
         gr = tmap._grams
         if self.main == "M":
             Gk = gr["GK"]
@@ -59,10 +60,10 @@ class _Preconditioner:
             self.eig = (*torch.linalg.eigh(gr["GQ"]), *torch.linalg.eigh(Gk))
         elif self.main == "C":
             Gv = gr["GV"]
-            if self.trans is not None and w.b_O is not None:  # beta frees all of b_V
+            if self.trans is not None and w.b_O is not None:  # nu frees all of b_V
                 Gv = Gv - w.b_V.unsqueeze(-1) * w.b_V.unsqueeze(-2)
             self.eig = (*torch.linalg.eigh(Gv), *torch.linalg.eigh(gr["GO"]))
-        if self.trans == "beta" and w.b_O is not None:
+        if self.trans == "nu" and w.b_O is not None:
             W = group_sum_out(w).reshape(*w.batch_shape, s.n_kv_heads * s.v_head_dim, s.d_model)
             D = W @ W.transpose(-1, -2) + torch.eye(W.shape[-2], dtype=W.dtype, device=W.device)
             self.D_chol = torch.linalg.cholesky(D)
@@ -119,22 +120,22 @@ def solve_generators(tmap: TangentMap, delta: dict[str, torch.Tensor], *, tol: f
     for it in range(1, max_iter + 1):  # noqa: B007
         Ap = apply_normal(p)
         pAp = _dot(p, Ap, nb)
-        alpha = torch.where(pAp > 0, rz / pAp.clamp_min(torch.finfo(pAp.dtype).tiny), 0.0)
-        x = _axpy(alpha, p, x)
-        r = _axpy(-alpha, Ap, r)
+        step = torch.where(pAp > 0, rz / pAp.clamp_min(torch.finfo(pAp.dtype).tiny), 0.0)
+        x = _axpy(step, p, x)
+        r = _axpy(-step, Ap, r)
         z = precond(r)
         rz_new = _dot(r, z, nb)
         if bool((rz_new.abs() <= tol**2 * norm0).all()):
             break
-        beta = rz_new / rz.clamp_min(torch.finfo(rz.dtype).tiny)
-        p = _axpy(beta, p, z)
+        carry = rz_new / rz.clamp_min(torch.finfo(rz.dtype).tiny)  # share of the old direction kept
+        p = _axpy(carry, p, z)
         rz = rz_new
     return x, it
 
 
 @dataclass(frozen=True)
 class Projection:
-    """An update split into tangent (invisible) and normal (visible) parts, one side."""
+    """An update split into its tangent (invisible to the function) and visible parts, one side."""
 
     side: str
     tangent: dict[str, torch.Tensor]  # same names and shapes as the update's side
@@ -144,7 +145,8 @@ class Projection:
     iterations: int
 
     @property
-    def normal(self) -> dict[str, torch.Tensor]:
+    def visible(self) -> dict[str, torch.Tensor]:
+        """``delta`` minus its tangent part: what the function sees."""
         return {k: self.delta[k] - self.tangent[k] for k in self.delta}
 
 
@@ -208,5 +210,5 @@ def remove_tangent(w: AttentionWeights, delta: AttentionWeights, *, near: bool =
     out = dict(delta.items())
     for side in ("qk", "vo"):
         p = project(w, delta, side, near=near)
-        out.update(p.normal)
+        out.update(p.visible)
     return delta.replace(**out)

@@ -22,7 +22,7 @@ from attnid.errors import AttnidError
 from attnid.rope import plane_dims
 from attnid.weights import AttentionWeights, group_sum_out
 
-Mode = Literal["auto", "gl", "commutant"]
+Group = Literal["auto", "gl", "commutant"]  # which gauge group the QK move may use
 
 
 def balance_pair(A: torch.Tensor, B: torch.Tensor, *, align: bool = True,
@@ -100,16 +100,18 @@ def fold_value_bias(w: AttentionWeights) -> AttentionWeights:
     return w.replace(b_V=torch.zeros_like(w.b_V), b_O=b_O)
 
 
-def rebalance_qk(w: AttentionWeights, *, mode: Mode = "auto", align: bool = True,
+def rebalance_qk(w: AttentionWeights, *, group: Group = "auto", align: bool = True,
                  bias_rows: bool = True) -> AttentionWeights:
-    """Balance QK. ``bias_rows``: balance the bias-augmented Grams (the conserved quantity of
-    training) or, when False, the weights alone (``W_Q^T W_Q = W_K^T W_K``, for checkpoints)."""
+    """Balance QK. ``group``: ``"gl"`` (the whole GL gauge, refused under RoPE), ``"commutant"``
+    (only what commutes with RoPE) or ``"auto"`` (the largest one that preserves the function).
+    ``bias_rows``: balance the bias-augmented Grams (the conserved quantity of training) or,
+    when False, the weights alone (``W_Q^T W_Q = W_K^T W_K``, for checkpoints)."""
     s = w.spec
     if s.qk_norm != "none":
         return _balance_gains(w)
-    if mode == "gl" and s.rope_dims:
+    if group == "gl" and s.rope_dims:
         raise AttnidError(
-            "a full GL rebalance would change a RoPE layer's function; use mode='commutant'")
+            "a full GL rebalance would change a RoPE layer's function; use group='commutant'")
     w = drop_key_bias(w)
     A, B = _rows_qk(w)
     Aw, Bw = (A, B) if bias_rows else _rows_qk(w.replace(
@@ -163,7 +165,7 @@ def rebalance_vo(w: AttentionWeights, *, align: bool = True, fold: bool = True,
     return w.replace(**new)
 
 
-def rebalance(w: AttentionWeights, *, mode: Mode = "auto", align: bool = True,
+def rebalance(w: AttentionWeights, *, group: Group = "auto", align: bool = True,
               fold: bool = True, bias_rows: bool = True) -> AttentionWeights:
     """Both sides to the balanced point (the function is unchanged).
 
@@ -175,5 +177,5 @@ def rebalance(w: AttentionWeights, *, mode: Mode = "auto", align: bool = True,
     >>> bool(metrics(w)["beta_qk"].max() < 1e-12)
     True
     """
-    w = rebalance_qk(w, mode=mode, align=align, bias_rows=bias_rows)
+    w = rebalance_qk(w, group=group, align=align, bias_rows=bias_rows)
     return rebalance_vo(w, align=align, fold=fold, bias_rows=bias_rows)

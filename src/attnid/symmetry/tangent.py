@@ -12,12 +12,12 @@ QK-norm (the GL gauge is broken): gains traded ``dg_Q = g_Q * t``, ``dg_K = -g_K
 (``t`` tied within rotated planes), and, exact only when eps = 0, one scale per query
 head and per key group (``dW_Q^h = s_h W_Q^h``, ...).
 
-VO (per group, ``C_g`` in gl(d_v), ``beta_g`` a value-bias translation)::
+VO (per group, ``C_g`` in gl(d_v), ``nu_g`` a value-bias translation)::
 
-    dW_V^g = W_V^g C_g     db_V^g = b_V^g C_g + beta_g
-    dW_O^h = -C_g W_O^h    db_O   = -sum_g beta_g sum_{h in g} W_O^h
+    dW_V^g = W_V^g C_g     db_V^g = b_V^g C_g + nu_g
+    dW_O^h = -C_g W_O^h    db_O   = -sum_g nu_g sum_{h in g} W_O^h
 
-Without ``b_O``, ``beta`` is restricted to the null space of ``beta -> sum_g beta_g Wsum_g``.
+Without ``b_O``, ``nu`` is restricted to the null space of ``nu -> sum_g nu_g Wsum_g``.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class TangentMap:
             return out
         out = {"C": z(G, dv, dv)}
         if w.b_V is not None:
-            out["beta"] = z(G, dv) if w.b_O is not None else z(self.beta_basis.shape[-1])
+            out["nu"] = z(G, dv) if w.b_O is not None else z(self.nu_basis.shape[-1])
         return out
 
     def constrain(self, g: Gens) -> Gens:
@@ -81,7 +81,7 @@ class TangentMap:
         return out
 
     @cached_property
-    def beta_basis(self) -> torch.Tensor:
+    def nu_basis(self) -> torch.Tensor:
         """Without b_O: orthonormal basis ``[..., G*dv, k]`` of admissible value-bias shifts."""
         s, w = self.spec, self.w
         wsum = group_sum_out(w)  # [..., G, dv, d]
@@ -125,9 +125,9 @@ class TangentMap:
         out["W_V"] = w.W_V @ C
         out["W_O"] = -(Ch @ w.W_O)
         if w.b_V is not None:
-            out["b_V"] = (w.b_V.unsqueeze(-2) @ C).squeeze(-2) + self._beta(g)
+            out["b_V"] = (w.b_V.unsqueeze(-2) @ C).squeeze(-2) + self._nu(g)
             if w.b_O is not None:
-                out["b_O"] = -torch.einsum("...gv,...gvd->...d", self._beta(g), group_sum_out(w))
+                out["b_O"] = -torch.einsum("...gv,...gvd->...d", self._nu(g), group_sum_out(w))
         elif w.b_O is not None:
             out["b_O"] = torch.zeros_like(w.b_O)
         return out
@@ -167,22 +167,22 @@ class TangentMap:
         if "C" in g:
             C = g["C"]
             out["C"] = gr["GV"] @ C + C @ gr["GO"]
-            if "beta" in g:
-                beta = self._beta(g)  # [..., G, dv]
-                out["C"] = out["C"] + w.b_V.unsqueeze(-1) * beta.unsqueeze(-2)
-                back = (w.b_V.unsqueeze(-2) @ C).squeeze(-2) + beta  # on b_V
+            if "nu" in g:
+                nu = self._nu(g)  # [..., G, dv]
+                out["C"] = out["C"] + w.b_V.unsqueeze(-1) * nu.unsqueeze(-2)
+                back = (w.b_V.unsqueeze(-2) @ C).squeeze(-2) + nu  # on b_V
                 if w.b_O is not None:
-                    out["beta"] = back + torch.einsum("...gvhu,...hu->...gv", gr["WW"], beta)
+                    out["nu"] = back + torch.einsum("...gvhu,...hu->...gv", gr["WW"], nu)
                 else:
                     flat = back.reshape(*w.batch_shape, -1, 1)
-                    out["beta"] = (self.beta_basis.transpose(-1, -2) @ flat).squeeze(-1)
+                    out["nu"] = (self.nu_basis.transpose(-1, -2) @ flat).squeeze(-1)
         return self.constrain(out)
 
-    def _beta(self, g: Gens) -> torch.Tensor:
+    def _nu(self, g: Gens) -> torch.Tensor:
         s = self.spec
         if self.w.b_O is not None:
-            return g["beta"]
-        flat = (self.beta_basis @ g["beta"].unsqueeze(-1)).squeeze(-1)
+            return g["nu"]
+        flat = (self.nu_basis @ g["nu"].unsqueeze(-1)).squeeze(-1)
         return flat.reshape(*self.w.batch_shape, s.n_kv_heads, s.v_head_dim)
 
     def adjoint(self, d: dict[str, torch.Tensor]) -> Gens:
@@ -218,13 +218,13 @@ class TangentMap:
         B = d["W_O"] @ w.W_O.transpose(-1, -2)  # [..., H, dv, dv]
         g["C"] = A - B.reshape(*B.shape[:-3], s.n_kv_heads, m, *B.shape[-2:]).sum(-3)
         if w.b_V is not None:
-            beta = d["b_V"].clone()
+            nu = d["b_V"].clone()
             if w.b_O is not None:
-                beta = beta - torch.einsum("...d,...gvd->...gv", d["b_O"], group_sum_out(w))
-                g["beta"] = beta
+                nu = nu - torch.einsum("...d,...gvd->...gv", d["b_O"], group_sum_out(w))
+                g["nu"] = nu
             else:
-                flat = beta.reshape(*w.batch_shape, -1)
-                g["beta"] = (self.beta_basis.transpose(-1, -2) @ flat.unsqueeze(-1)).squeeze(-1)
+                flat = nu.reshape(*w.batch_shape, -1)
+                g["nu"] = (self.nu_basis.transpose(-1, -2) @ flat.unsqueeze(-1)).squeeze(-1)
         return g
 
 

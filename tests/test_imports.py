@@ -1,0 +1,106 @@
+"""The import graph: no cycles among attnid's modules (function-level imports included), and
+`import attnid` stays light (no transformers, no matplotlib)."""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import attnid
+
+ROOT = Path(attnid.__file__).resolve().parent
+
+
+def _module_name(path: Path) -> str:
+    parts = ("attnid", *path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def _resolve(name: str) -> str | None:
+    """The attnid module an imported name lives in (``attnid.a.b.c`` -> ``attnid.a.b`` if c is
+    an attribute), or None outside attnid."""
+    while name.startswith("attnid"):
+        if name in MODULES:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def _imports(module: str) -> set[str]:
+    """Every attnid module ``module`` imports, at any depth of its code."""
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            names = [f"{base}.{a.name}" for a in node.names] + [base]
+        else:
+            continue
+        found |= {m for m in map(_resolve, names) if m is not None and m != module}
+    return found
+
+
+GRAPH = {m: _imports(m) for m in MODULES}
+
+
+def test_the_graph_was_read():
+    assert len(MODULES) > 40
+    assert "attnid.arbiter.rank" in GRAPH["attnid.arbiter.compare"]
+    assert "attnid.rope" in GRAPH["attnid.testing"]
+
+
+def test_no_import_cycles():
+    # explicit edges only: a module that imports its own package's __init__ (which imports
+    # the module back) is a cycle too
+    colour: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(m: str) -> None:
+        colour[m] = 1
+        stack.append(m)
+        for n in sorted(GRAPH[m]):
+            if colour.get(n) == 1:
+                cycles.append([*stack[stack.index(n):], n])
+            elif n not in colour:
+                visit(n)
+        stack.pop()
+        colour[m] = 2
+
+    for m in sorted(GRAPH):
+        if m not in colour:
+            visit(m)
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_cycle_check_can_fail():
+    assert "attnid.spec" in GRAPH["attnid.theory.attention"]
+    GRAPH["attnid.spec"].add("attnid.theory.attention")
+    try:
+        with pytest.raises(AssertionError, match=re.escape("attnid.spec -> attnid.theory.attention")):
+            test_no_import_cycles()
+    finally:
+        GRAPH["attnid.spec"].discard("attnid.theory.attention")
+
+
+def test_import_attnid_stays_light():
+    code = ("import sys, attnid, attnid.testing; "
+            "print(sorted(m for m in ('transformers', 'matplotlib', 'safetensors') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         check=True).stdout
+    assert out.strip() == "[]", f"import attnid loaded {out.strip()}"
