@@ -153,7 +153,6 @@ th{background:#f3f3f3}
 tr.fail td,li.fail{color:#b00000;background:#fff0f0}
 tr.fail strong,li.fail strong{color:#b00000}
 img{max-width:100%;border:1px solid #eee}
-p em:first-child{font-style:normal;font-weight:600}
 code{background:#f5f5f5;padding:0 3px}
 """
 

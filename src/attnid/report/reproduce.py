@@ -240,7 +240,7 @@ def _table4_view(reports: list[dict], rows: list[dict]) -> tuple[list[dict], tup
                      f"layer of the same structure at a reduced size ({nr.get('params', '?')} parameters): "
                      f"{nr.get('unidentified', '?')} unidentified, and "
                      f"{nr.get('near_unidentified', '?')} more "
-                     "near-unidentified (null only at QK-norm eps = 0).")
+                     "near-unidentified (null only when the normalization's eps is 0).")
         view.append(v)
     notes.append("QK unid./layer: unidentified QK-side parameters of one layer; 'no RoPE' counts as the "
                  "paper does, ignoring the rotation. Ratio: unidentified / attention parameters.")
