@@ -27,7 +27,7 @@ def test_pipe_in_evidence_does_not_split_a_row(tmp_path):
     _, html = _report(tmp_path)
     rows = re.findall(r"<tr[^>]*>(.*?)</tr>", html, flags=re.S)
     for row in rows:
-        assert row.count("<td>") in (0, 2, 4), row  # every body row keeps its column count
+        assert row.count("<td") in (0, 2, 4), row  # every body row keeps its column count
     assert "max |grad b_K| 1e-9" in html and "<td>p|q</td>" in html
     assert "\\|" in markdown_table([{"e": "a|b"}])
 

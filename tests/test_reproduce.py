@@ -46,3 +46,39 @@ def test_reproduce_quick_writes_everything_and_every_claim_holds(tmp_path):
     rows = json.loads((out / "tables" / "table4_models.json").read_text())
     assert any(r["model"] == "Llama-2-70b" and r["qk_unid_no_rope"] == 131_072 for r in rows)
     assert "second order" in md and "n/a" in md.split("## Table 4")[1].split("## Table 5")[0]
+
+
+def test_a_section_plugs_into_the_report(tmp_path, monkeypatch):
+    from attnid.report import reproduce as rep
+    from attnid.report.document import Claim, Figure, Section, Table
+
+    png = tmp_path / "dot.png"
+
+    def tiny(ctx: rep.Context) -> Section:
+        ctx.progress.stage("tiny section")
+        path = ctx.figures / "dot.png"
+        fig = rep.MplFigure(figsize=(1, 1))
+        fig.subplots().plot([0, 1], [0, 1])
+        fig.savefig(path)
+        png.write_bytes(path.read_bytes())
+        return Section("Tiny", "Text.", (Table("tiny", [{"a": 1, "b": "x|y"}]),),
+                       (Figure(path, "A line."),),
+                       (Claim("Tiny", "true", True, "e"), Claim("Tiny", "false", False, "e")))
+
+    monkeypatch.setattr(rep, "SECTIONS", [])
+    summary = rep.reproduce(tmp_path / "out", quick=True, extra=[tiny])
+    assert summary["total"] == 2 and summary["holds"] == 1
+    assert (tmp_path / "out" / "tables" / "tiny.csv").read_text().splitlines()[1] == "1,x|y"
+    html = (tmp_path / "out" / "report.html").read_text()
+    assert html.count('<tr class="fail">') == 1 and "A line." in html and "data:image/png" in html
+
+
+def test_table4_view_fits_and_explains_every_row():
+    from attnid.report.reproduce import TABLE4_COLUMNS, table4
+
+    rows, _, view, notes = table4()
+    assert len(view) == len(rows) and len(TABLE4_COLUMNS) <= 13
+    for v in view:
+        assert all(v.get(k) not in (None, "") for k in TABLE4_COLUMNS), v
+    numeric = [r["model"] for r in rows if r.get("unidentified") is None]
+    assert numeric and all(any(m in n and "reduced size" in n for n in notes) for m in numeric), notes

@@ -99,7 +99,7 @@ class Progress:
         if not self.enabled:
             return
         if self.console is not None:
-            self.console.log(message)
+            self.console.print(f"{time.strftime('%H:%M:%S')} {message}", highlight=False)
             return
         self.stream.write(f"{time.strftime('%H:%M:%S')} {message}\n")
         self.stream.flush()
@@ -163,7 +163,7 @@ class Progress:
             self._status.start()
         else:
             self._status.update(message)
-        self.console.log(message)
+        self.console.print(f"{time.strftime('%H:%M:%S')} {message}", highlight=False)
 
 
 class _NoBar:

@@ -79,7 +79,13 @@ def _keys(rows: list[dict]) -> list[str]:
 
 def markdown_table(rows: list[dict[str, Any]], columns: dict[str, str] | None = None) -> str:
     cols = columns or {k: k for k in _keys(rows)}
-    lines = ["| " + " | ".join(cell(h) for h in cols.values()) + " |", "|" + "---|" * len(cols)]
+
+    def numeric(k: str) -> bool:
+        vals = [r.get(k) for r in rows if r.get(k) is not None]
+        return bool(vals) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals)
+
+    rule = "|" + "".join("---:|" if numeric(k) else "---|" for k in cols)
+    lines = ["| " + " | ".join(cell(h) for h in cols.values()) + " |", rule]
     lines += ["| " + " | ".join(cell(r.get(k)) for k in cols) + " |" for r in rows]
     return "\n".join(lines) + "\n"
 
