@@ -117,19 +117,45 @@ def test_ddp_two_processes_stay_in_sync(tmp_path):
     assert [r["step"] for r in _records(out)] == [1, 2, 4, 6, 8]
 
 
-def test_experiment_smoke_writes_every_figure_and_table(tmp_path):
+def test_experiment_smoke_writes_every_figure_and_claim(tmp_path):
+    from attnid.report.training import training_section
     from attnid.train.experiment import run_experiment
 
-    result = run_experiment(tmp_path / "exp", scale="smoke")
+    data = run_experiment(tmp_path / "exp", scale="smoke")
+    section = training_section(data, tmp_path / "exp" / "figures")
     figs = {p.name for p in (tmp_path / "exp" / "figures").iterdir()}
-    assert {"fig2_qk.png", "fig2_vo.png", "fig3_bias_grads.png", "fig4_drift_qk.png",
-            "fig4_drift_vo.png", "fig2_qk_rope.png", "fig2_qk_gqa.png", "fig_project.png"} <= figs
-    for ext in ("csv", "md", "json"):
-        assert (tmp_path / "exp" / "tables" / f"training_summary.{ext}").exists()
-    assert len(result["rows"]) == 17 and all({"claim", "holds", "evidence"} <= set(c)
-                                             for c in result["claims"])
-    sp = json.loads((tmp_path / "exp" / "same_point_drift.json").read_text())
-    assert abs(sp["slope_qk"] - 2) < 0.05 and abs(sp["slope_vo"] - 2) < 0.05
+    assert {"fig2_qk.png", "fig2_vo.png", "fig3_bias_grads.png", "fig4_drift_qk.png", "fig4_drift_vo.png",
+            "fig2_qk_rope.png", "fig2_qk_gqa.png", "fig_project.png", "fig5_second_order.png"} <= figs
+    assert all(f.caption and f.path.exists() for f in section.figures)
+    assert len(section.tables[0].rows) == 17 and len(section.claims) >= 25
+    for prefix in ("", "rope_", "gqa_"):  # one float64 step: second order in lr for every variant
+        sp = data.same_point[prefix]
+        assert abs(sp["slope_qk"] - 2) < 0.05 and abs(sp["slope_vo"] - 2) < 0.05, (prefix, sp)
+    for prefix in ("rope_", "gqa_"):  # the quantity that ignores RoPE/GQA drifts at first order
+        assert data.same_point[prefix]["slope_qk_naive"] < 1.3, data.same_point[prefix]
+    assert not (tmp_path / "exp" / "runs" / "sgd" / "checkpoint.pt").exists()
+
+
+def test_matplotlib_backend_is_not_changed_by_the_report_modules():
+    code = ("import matplotlib; matplotlib.use('svg'); import attnid.report.reproduce, "
+            "attnid.report.training; print(matplotlib.get_backend())")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": "src"})
+    assert proc.stdout.strip() == "svg", proc.stderr[-500:]
+
+
+def test_train_prints_rho_and_beta_and_checkpoint_is_optional(tmp_path, capsys):
+    out = tmp_path / "run"
+    code = main(["train", "--out", str(out), "--layers", "1", "--d-model", "32", "--seq-len", "16",
+                 "--steps", "6", "--log-every", "2", "--optimizer", "sgd", "--lr", "0.1",
+                 "--no-progress", "--no-checkpoint"])
+    printed = capsys.readouterr().out
+    assert code == 0 and not (out / "checkpoint.pt").exists()
+    assert "QK: median rho" in printed and "mean beta" in printed and "VO: median rho" in printed, printed
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["median_rho_qk"] < 1e-6  # plain SGD: no orbit motion
+    recs = _records(out)
+    assert all(len(r["update_sq_qk"]) == 1 and r["update_sq_qk"][0] > 0 for r in recs)
 
 
 def test_ctrl_c_in_the_cli_exits_130_with_one_line(tmp_path, capsys, monkeypatch):

@@ -49,8 +49,16 @@ def _describe(spec: dict) -> str:
     return AttentionSpec.from_dict(spec).describe()
 
 
-def _print_rows(rows: list[dict], title: str) -> None:
+def console():
+    """A rich console for stdout: the terminal's full width on a terminal; when piped (a
+    file, CI), no wrapping at all, so tables keep their natural width and words stay whole."""
     from rich.console import Console
+
+    out = Console()
+    return out if out.is_terminal else Console(width=1000, soft_wrap=True, no_color=True)
+
+
+def _print_rows(rows: list[dict], title: str) -> None:
     from rich.table import Table
 
     table = Table(title=title)
@@ -60,7 +68,7 @@ def _print_rows(rows: list[dict], title: str) -> None:
     for r in rows:
         table.add_row(*[f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v)
                         for v in (r[k] for k in keys)])
-    Console(width=250).print(table)
+    console().print(table)
 
 
 def print_count_dict(d: dict, title: str) -> None:
@@ -87,7 +95,6 @@ def finite(obj: Any) -> Any:
 
 
 def print_count(result: Count, title: str | None = None) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title=title or f"attention layer: {result.spec.describe()}")
@@ -100,6 +107,6 @@ def print_count(result: Count, title: str | None = None) -> None:
     table.add_section()
     table.add_row("total", f"{result.total:,}", f"{result.unidentified:,}",
                   f"{result.near_unidentified:,}")
-    console = Console(width=100)
-    console.print(table)
-    console.print(f"identified {result.identified:,}   unidentified ratio {result.ratio:.4f}")
+    out = console()
+    out.print(table)
+    out.print(f"identified {result.identified:,}   unidentified ratio {result.ratio:.4f}")

@@ -36,6 +36,8 @@ def train_cmd(
     device: Annotated[str, typer.Option("--device")] = "cpu",
     resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out.")] = False,
     progress: Annotated[bool, typer.Option("--progress/--no-progress")] = True,
+    checkpoint: Annotated[bool, typer.Option(
+        "--checkpoint/--no-checkpoint", help="Write OUT/checkpoint.pt (needed for --resume).")] = True,
 ) -> None:
     """Train the small GPT on character-level Shakespeare, logging orbit metrics."""
     from pathlib import Path
@@ -52,14 +54,28 @@ def train_cmd(
                       steps=steps, batch_size=batch_size, seed=seed, log_every=log_every,
                       eval_every=eval_every, correct=correct, device=device)
     try:
-        summary = train(cfg, Path(out), resume=resume, progress=progress)
+        summary = train(cfg, Path(out), resume=resume, progress=progress, checkpoint=checkpoint)
     except KeyboardInterrupt:
-        typer.echo(f"error: interrupted; the log in {out} is valid; continue with "
-                   f"attnid train --resume --out {out}", err=True)
+        hint = (f"continue with attnid train --resume --out {out}" if checkpoint
+                else "no checkpoint was written (--no-checkpoint)")
+        typer.echo(f"error: interrupted; the log in {out} is valid; {hint}", err=True)
         raise typer.Exit(130) from None
     if summary["rank"] == 0:
-        typer.echo(f"trained {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
-                   f"{summary['seconds']:.1f}s -> {out}")
+        _print_train_summary(summary, out)
+
+
+def _print_train_summary(s: dict, out: str) -> None:
+    """Final loss, then what the optimizer did along the orbits (rho) and to the conserved
+    quantities (beta), then where the files are."""
+    typer.echo(f"trained {s['steps']} steps in {s['seconds']:.1f}s, final loss {s['final_loss']:.4f}")
+    for side in ("qk", "vo"):
+        if f"median_rho_{side}" in s:
+            b0, b1 = s[f"beta_{side}_first"], s[f"beta_{side}_last"]
+            change = f" ({100 * (b1 - b0) / b0:+.1f}%)" if b0 else ""
+            typer.echo(f"  {side.upper()}: median rho {s[f'median_rho_{side}']:.3g} (tangent share of the "
+                       f"updates), mean beta {b0:.4g} -> {b1:.4g}{change}")
+    size = f", checkpoint {s['checkpoint_bytes'] / 1e6:.1f} MB" if "checkpoint_bytes" in s else ""
+    typer.echo(f"  metrics in {out}/metrics.jsonl{size}")
 
 
 experiment_app = typer.Typer(help="Training experiments.", no_args_is_help=True)
@@ -79,10 +95,22 @@ def experiment_paper(
     """The paper's four cases and SGD sweep (plus RoPE, GQA, projection): figures and tables."""
     from pathlib import Path
 
+    from attnid.errors import require
+
+    require("matplotlib", "report")
+    from attnid.progress import Progress
+    from attnid.report.document import write_table
+    from attnid.report.training import training_section
     from attnid.train.experiment import run_experiment
 
-    result = run_experiment(Path(out), scale=scale, beyond=beyond, seed=seed, device=device,
-                            progress=lambda msg: typer.echo(msg, err=True))
-    for c in result["claims"]:
-        typer.echo(f"{'HOLDS' if c['holds'] else 'FAILS'}  {c['claim']}  [{c['evidence']}]")
+    with Progress() as progress:
+        data = run_experiment(Path(out), scale=scale, beyond=beyond, seed=seed, device=device,
+                              progress=progress)
+        progress.stage("drawing figures")
+        section = training_section(data, Path(out) / "figures")
+    (Path(out) / "tables").mkdir(parents=True, exist_ok=True)
+    for t in section.tables:
+        write_table(t.rows, Path(out) / "tables" / t.stem)
+    for c in sorted(section.claims, key=lambda c: c.holds):
+        typer.echo(f"{'HOLDS' if c.holds else 'FAILS'}  {c.claim}  [{c.evidence}]")
     typer.echo(f"figures and tables in {out}")

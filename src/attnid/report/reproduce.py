@@ -2,37 +2,63 @@
 
 Writes under ``out``: ``tables/`` (CSV, JSON, Markdown), ``figures/`` (PNG), ``report.md``,
 a self-contained ``report.html`` (figures embedded) and ``summary.json`` (the claims).
+
+The report is assembled from *sections*. A section is a function ``(ctx: Context) ->
+Section`` (`attnid.report.document`): it does its own work at the size ``ctx.quick``
+asks for, writes its figures (PNG) under ``ctx.figures``, reports its stages through
+``ctx.progress.stage(...)`` and returns
+
+    Section(title, text,            # Markdown text under the title
+            tables=(Table(stem, rows, columns={key: header}, notes=(...)), ...),
+            figures=(Figure(path, caption), ...),   # caption: one or two sentences
+            claims=(Claim(section, claim, holds, evidence), ...))
+
+:func:`reproduce` writes each table to ``tables/<stem>.{csv,json,md}``, puts failing
+claims first in the summary, and renders both report files. :data:`SECTIONS` lists the
+sections in report order; a new one plugs in by adding its function there (or passing
+``extra=`` to :func:`reproduce`).
 """
 
 from __future__ import annotations
 
-import base64
 import itertools
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 import torch
+from matplotlib.figure import Figure as MplFigure
 
 from attnid.arbiter.compare import verify
 from attnid.arbiter.rank import randomize_
 from attnid.attention import Attention
-from attnid.report.training import markdown_table, write_table
+from attnid.progress import Progress
+from attnid.report.document import Claim, Figure, Section, Table, render_html, render_markdown, write_table
+from attnid.report.training import training_section
 from attnid.spec import AttentionSpec
 from attnid.theory import count
+from attnid.train.experiment import run_experiment
 
-Claim = dict[str, Any]
+
+@dataclass(frozen=True)
+class Context:
+    """What a section gets: where to write, how big to run, where to report progress."""
+
+    out: Path
+    quick: bool
+    progress: Progress
+
+    @property
+    def figures(self) -> Path:
+        return self.out / "figures"
 
 
 def _claim(claim: str, holds: bool, evidence: str, section: str) -> Claim:
-    return {"section": section, "claim": claim, "holds": bool(holds), "evidence": evidence}
+    return Claim(section, claim, bool(holds), evidence)
 
 
 # ---- Table 1: ratio against heads -------------------------------------------------------
@@ -59,20 +85,23 @@ def table1(widths: list[int]) -> tuple[list[dict], list[Claim]]:
     return rows, claims
 
 
-def figure1(rows: list[dict], path: Path) -> None:
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for d in sorted({r["d_model"] for r in rows}):
-        sub = [r for r in rows if r["d_model"] == d]
-        ax.plot([r["heads"] for r in sub], [r["unidentified_arbiter"] / r["params"] for r in sub], "o",
-                label=f"arbiter, d={d}")
+def figure1(rows: list[dict], path: Path) -> Path:
+    fig = MplFigure(figsize=(6.5, 4.2))
+    ax = fig.subplots()
+    widths = sorted({r["d_model"] for r in rows})
     hs = [h / 10 for h in range(10, 81)]
-    ax.plot(hs, [1 / (2 * h) for h in hs], "k-", lw=1, label="1/(2H)")
+    ax.plot(hs, [1 / (2 * h) for h in hs], "k-", lw=1, label="closed form 1/(2H)", zorder=1)
+    markers = "os^Dv"
+    for i, d in enumerate(widths):  # hollow markers of shrinking size: coinciding points stay visible
+        sub = [r for r in rows if r["d_model"] == d]
+        ax.plot([r["heads"] for r in sub], [r["unidentified_arbiter"] / r["params"] for r in sub],
+                markers[i % len(markers)], ms=11 - 2 * i, mfc="none", mew=1.3, label=f"arbiter, d_model={d}")
     ax.set_xlabel("heads H")
-    ax.set_ylabel("unidentified / total")
+    ax.set_ylabel("unidentified / total parameters")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
-    plt.close(fig)
+    return path
 
 
 # ---- Table 2: biases --------------------------------------------------------------------
@@ -168,7 +197,15 @@ def table3() -> tuple[list[dict], list[Claim]]:
 
 
 # ---- Table 4: model families ----------------------------------------------------------------
-def table4() -> tuple[list[dict], list[Claim]]:
+TABLE4_COLUMNS = {"model": "model", "family": "family", "layers": "layers", "heads": "heads / kv",
+                  "head_dim": "d_head", "bias": "bias", "rope": "RoPE", "qk_norm": "QK-norm",
+                  "attention_params": "attention params", "unidentified": "unidentified",
+                  "ratio": "ratio", "qk_unid_per_layer": "QK unid./layer",
+                  "qk_unid_no_rope": "QK unid./layer, no RoPE"}
+
+
+def table4() -> tuple[list[dict], list[Claim], list[dict], tuple[str, ...]]:
+    """All rows, the claims, and the compact view shown in the report with its footnotes."""
     from attnid.report.models import all_reports, summary_row
 
     reports = all_reports()
@@ -179,7 +216,35 @@ def table4() -> tuple[list[dict], list[Claim]]:
                      llama["qk_unid_no_rope"] == 131_072 and llama["qk_unid_no_rope_if_mha"] == 1_048_576,
                      f"{llama['qk_unid_no_rope']:,} vs {llama['qk_unid_no_rope_if_mha']:,}; with its RoPE "
                      f"only {llama['qk_unid_per_layer']:,} per layer", "Table 4")]
-    return rows, claims
+    view, notes = _table4_view(reports, rows)
+    return rows, claims, view, notes
+
+
+def _table4_view(reports: list[dict], rows: list[dict]) -> tuple[list[dict], tuple[str, ...]]:
+    view, notes = [], []
+    for rep, row in zip(reports, rows, strict=True):
+        v = {k: row.get(k) for k in TABLE4_COLUMNS}
+        if row.get("heads") is not None:
+            v["heads"] = f"{row['heads']} / {row['kv_heads']}"
+        if rep.get("closed_form", True):
+            view.append(v)
+            continue
+        mark = "†" * (len(notes) + 1)
+        nr = rep.get("numeric_reduced") or {}
+        why = str(rep.get("note", "")).split(";")[0].removeprefix("no closed form: ")
+        for k in ("heads", "head_dim", "bias", "rope", "qk_norm", "unidentified", "ratio",
+                  "qk_unid_per_layer", "qk_unid_no_rope"):
+            v[k] = "n/a"
+        v["unidentified"] = f"see {mark}"
+        notes.append(f"{mark} {row['model']}: no closed form ({why}). The Jacobian-rank arbiter counted one "
+                     f"layer of the same structure at a reduced size ({nr.get('params', '?')} parameters): "
+                     f"{nr.get('unidentified', '?')} unidentified, and "
+                     f"{nr.get('near_unidentified', '?')} more "
+                     "near-unidentified (null only when the normalization's eps is 0).")
+        view.append(v)
+    notes.append("QK unid./layer: unidentified QK-side parameters of one layer; 'no RoPE' counts as the "
+                 "paper does, ignoring the rotation. Ratio: unidentified / attention parameters.")
+    return view, tuple(notes)
 
 
 # ---- Table 5: single-head equivalence --------------------------------------------------------
@@ -214,121 +279,103 @@ def table5(arbiter_widths: list[int]) -> tuple[list[dict], list[Claim]]:
     return rows, claims
 
 
-# ---- assembling -------------------------------------------------------------------------------
-def reproduce(out: str | Path = "attnid-report", *, quick: bool = False,
-              progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    from attnid.train.experiment import run_experiment
-
-    start = time.perf_counter()
-    out = Path(out)
-    (out / "tables").mkdir(parents=True, exist_ok=True)
-    (out / "figures").mkdir(parents=True, exist_ok=True)
-    say = progress or (lambda msg: None)
-    sections: list[tuple[str, str, list[dict], list[Claim], list[str]]] = []
-
-    say("Table 1: unidentified ratio against heads (closed form and arbiter)")
-    rows, claims = table1([8, 12, 16] if quick else [8, 12, 16, 24])
-    figure1(rows, out / "figures" / "fig1_ratio_vs_heads.png")
-    sections.append(("table1_ratio_vs_heads", "Table 1: unidentified share against heads", rows, claims,
-                     ["fig1_ratio_vs_heads.png"]))
+# ---- sections -------------------------------------------------------------------------------
+def paper_tables_sections(ctx: Context) -> list[Section]:
+    """Tables 1-5 of the paper, each as a section."""
+    say = ctx.progress.stage
+    say("Table 1: unidentified share against heads (closed form and arbiter)")
+    rows, claims = table1([8, 12, 16] if ctx.quick else [8, 12, 16, 24])
+    fig1 = figure1(rows, ctx.figures / "fig1_ratio_vs_heads.png")
+    s1 = Section("Table 1: unidentified share against heads",
+                 "Plain multi-head attention: the closed form and the Jacobian-rank arbiter.",
+                 (Table("table1_ratio_vs_heads", rows,
+                        {"d_model": "d_model", "heads": "H", "params": "params",
+                         "unidentified_theory": "unid. (theory)", "unidentified_arbiter": "unid. (arbiter)",
+                         "ratio_theory": "ratio", "one_over_2H": "1/(2H)", "agree": "agree"}),),
+                 (Figure(fig1, "Unidentified share of a plain attention layer against its number of heads. "
+                          "The arbiter's counts (markers, one per width) lie on the closed form 1/(2H) "
+                          "for every width: the share depends on H only."),),
+                 tuple(claims))
     say("Table 2: biases")
     rows, claims = table2(8)
-    sections.append(("table2_biases", "Table 2: every subset of the biases", rows, claims, []))
+    s2 = Section("Table 2: every subset of the biases", "d_model = 8, one and four heads.",
+                 (Table("table2_biases", rows,
+                        {"heads": "H", "biases": "biases", "params": "params",
+                         "unidentified_theory": "unid. (theory)", "unidentified_arbiter": "unid. (arbiter)",
+                         "key_bias_unidentified": "key bias unid.",
+                         "value_bias_unidentified": "value bias unid.",
+                         "agree": "agree"}),), (), tuple(claims))
     say("Table 3: modern variants")
     rows, claims = table3()
-    sections.append(("table3_variants", "Table 3: RoPE, GQA/MQA, QK-norm", rows, claims, []))
+    s3 = Section("Table 3: RoPE, GQA/MQA, QK-norm", "Each count confirmed by the arbiter at a second seed.",
+                 (Table("table3_variants", rows,
+                        {"variant": "variant", "params": "params", "unidentified_theory": "unid. (theory)",
+                         "unidentified_arbiter": "unid. (arbiter)", "near_theory": "near (theory)",
+                         "near_arbiter": "near (arbiter)", "ratio": "ratio", "agree": "agree"},
+                        ("near: near-unidentified, null at QK-norm eps = 0 but not at the given eps. "
+                         "The full spec of each variant is in the CSV.",)),), (), tuple(claims))
     say("Table 4: model families")
-    rows, claims = table4()
-    sections.append(("table4_models", "Table 4: real model families", rows, claims, []))
+    rows, claims, view, notes = table4()
+    s4 = Section("Table 4: real model families", "Counted from each model's configuration (bundled).",
+                 (Table("table4_models", view, TABLE4_COLUMNS, notes),), (), tuple(claims))
     say("Table 5: single-head equivalence")
-    rows, claims = table5([4, 6] if quick else [4, 6, 8])
-    sections.append(("table5_single_head", "Table 5: single-head equivalence (Section 4.10)", rows,
-                     claims, []))
+    rows, claims = table5([4, 6] if ctx.quick else [4, 6, 8])
+    s5 = Section("Table 5: single-head equivalence (Section 4.10)",
+                 "E0 = ceil(E sqrt(2 - 1/H)): the smallest width at which one head is as identified "
+                 "as H heads.",
+                 (Table("table5_single_head", rows,
+                        {"E": "E", "H": "H", "identified_H_heads": "identified, H heads", "E0_formula": "E0",
+                         "identified_single_E0": "1 head at E0",
+                         "identified_single_E0_minus_1": "1 head at E0-1",
+                         "identified_single_E": "1 head at E", "formula_is_minimal": "E0 minimal",
+                         "arbiter_identified_single_E0": "arbiter, 1 head at E0",
+                         "arbiter_identified_H_heads": "arbiter, H heads"},
+                        ("arbiter columns: counted directly for the small widths only (— elsewhere).",)),),
+                 (), tuple(claims))
+    return [s1, s2, s3, s4, s5]
 
-    say("training experiments (" + ("quick" if quick else "cpu") + " scale)")
-    exp = run_experiment(out / "experiment", scale="quick" if quick else "cpu", progress=say)
-    exp_figs = sorted(p.name for p in (out / "experiment" / "figures").glob("*.png"))
-    for name in exp_figs:
-        (out / "figures" / name).write_bytes((out / "experiment" / "figures" / name).read_bytes())
-    train_claims = [dict(c, section="Training") for c in exp["claims"]]
-    sections.append(("training_summary", "Training: the paper's Section 5 and beyond", exp["rows"],
-                     train_claims, exp_figs))
 
-    say("writing the report")
-    for stem, _, rows, _, _ in sections:
-        write_table(rows, out / "tables" / stem)
-    all_claims = [c for s in sections for c in s[3]]
-    summary = {"claims": all_claims, "holds": sum(c["holds"] for c in all_claims), "total": len(all_claims),
+def training_sections(ctx: Context) -> list[Section]:
+    scale = "quick" if ctx.quick else "cpu"
+    ctx.progress.stage(f"training experiments ({scale} scale)")
+    data = run_experiment(ctx.out / "experiment", scale=scale, progress=ctx.progress)
+    ctx.progress.stage("drawing training figures")
+    return [training_section(data, ctx.figures)]
+
+
+SectionFn = Callable[[Context], "Section | list[Section]"]
+# the report, in order; other sections plug in here
+SECTIONS: list[SectionFn] = [paper_tables_sections, training_sections]
+
+
+# ---- assembling -------------------------------------------------------------------------------
+TITLE = "attnid reproduction report"
+INTRO = ("Claims of *Multi-Head Self Attention is a Parameter Identification Mechanism* "
+         "(arXiv:2609.01231) and what attnid adds, each with its evidence and a verdict.")
+
+
+def reproduce(out: str | Path = "attnid-report", *, quick: bool = False, progress: Progress | None = None,
+              extra: Sequence[SectionFn] = ()) -> dict[str, Any]:
+    """Run every section, write the tables, ``report.md``, ``report.html`` and ``summary.json``;
+    return the summary (claims, how many hold, seconds)."""
+    start = time.perf_counter()
+    ctx = Context(Path(out), quick, progress if progress is not None else Progress(enabled=False))
+    (ctx.out / "tables").mkdir(parents=True, exist_ok=True)
+    ctx.figures.mkdir(parents=True, exist_ok=True)
+    sections: list[Section] = []
+    for fn in [*SECTIONS, *extra]:
+        got = fn(ctx)
+        sections += got if isinstance(got, list) else [got]
+    ctx.progress.stage("writing the report")
+    for s in sections:
+        for t in s.tables:
+            write_table(t.rows, ctx.out / "tables" / t.stem)
+    claims = [c.to_dict() for s in sections for c in s.claims]
+    summary = {"claims": claims, "holds": sum(c["holds"] for c in claims), "total": len(claims),
                "quick": quick, "seconds": time.perf_counter() - start}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    md = _markdown(sections, summary)
-    (out / "report.md").write_text(md)
-    (out / "report.html").write_text(_html(md, out / "figures"))
+    (ctx.out / "summary.json").write_text(json.dumps(summary, indent=2))
+    status = f"{'quick' if quick else 'default'} run, {summary['seconds']:.0f} s"
+    md = render_markdown(TITLE, INTRO, sections, status)
+    (ctx.out / "report.md").write_text(md)
+    (ctx.out / "report.html").write_text(render_html(md, ctx.figures, TITLE))
     return summary
-
-
-def _markdown(sections, summary) -> str:
-    lines = ["# attnid reproduction report",
-             "",
-             "Claims of *Multi-Head Self Attention is a Parameter Identification Mechanism* "
-             "(arXiv:2609.01231) and what attnid adds, each with its evidence and a verdict.",
-             "", "## Summary", "",
-             f"**{summary['holds']} of {summary['total']} claims hold** "
-             f"({'quick' if summary['quick'] else 'default'} run, {summary['seconds']:.0f} s).", "",
-             "| section | claim | holds | evidence |", "|---|---|---|---|"]
-    for c in summary["claims"]:
-        verdict = "yes" if c["holds"] else "**NO**"
-        lines.append(f"| {c['section']} | {c['claim']} | {verdict} | {c['evidence']} |")
-    for stem, title, rows, claims, figs in sections:
-        lines += ["", f"## {title}", ""]
-        for c in claims:
-            lines.append(f"- {'HOLDS' if c['holds'] else 'DOES NOT HOLD'}: {c['claim']} ({c['evidence']})")
-        lines += ["", f"Data: `tables/{stem}.csv` (also `.json`, `.md`).", ""]
-        shown = rows if len(rows) <= 40 else rows[:40]
-        lines.append(markdown_table(shown))
-        if len(rows) > len(shown):
-            lines.append(f"({len(rows) - len(shown)} more rows in the CSV)")
-        for f in figs:
-            lines += ["", f"![{f}](figures/{f})"]
-    return "\n".join(lines) + "\n"
-
-
-def _html(md: str, figs: Path) -> str:
-    """A self-contained page: the Markdown rendered simply, figures embedded as base64."""
-    import html
-
-    out, table = [], False
-    for line in md.splitlines():
-        if line.startswith("|"):
-            cells = [html.escape(c.strip()) for c in line.strip("|").split("|")]
-            if set(line.replace("|", "").strip()) <= {"-"}:
-                continue
-            if not table:
-                out.append("<table>")
-                table = True
-                out.append("<tr>" + "".join(f"<th>{c}</th>" for c in cells) + "</tr>")
-            else:
-                out.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
-            continue
-        if table:
-            out.append("</table>")
-            table = False
-        if line.startswith("!["):
-            name = line[line.index("(") + 1 : -1].split("/")[-1]
-            data = base64.b64encode((figs / name).read_bytes()).decode()
-            out.append(f'<p><img alt="{html.escape(name)}" src="data:image/png;base64,{data}" '
-                       'style="max-width:100%"></p>')
-        elif line.startswith("## "):
-            out.append(f"<h2>{html.escape(line[3:])}</h2>")
-        elif line.startswith("# "):
-            out.append(f"<h1>{html.escape(line[2:])}</h1>")
-        elif line.startswith("- "):
-            out.append(f"<li>{html.escape(line[2:])}</li>")
-        elif line.strip():
-            out.append(f"<p>{html.escape(line)}</p>")
-    if table:
-        out.append("</table>")
-    style = ("body{font-family:sans-serif;max-width:1200px;margin:auto}table{border-collapse:collapse;"
-             "font-size:12px}td,th{border:1px solid #ccc;padding:2px 6px}")
-    return f"<!doctype html><html><head><meta charset='utf-8'><title>attnid report</title>" \
-           f"<style>{style}</style></head><body>{''.join(out)}</body></html>"

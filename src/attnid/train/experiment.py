@@ -1,9 +1,12 @@
 """`attnid experiment paper`: the paper's four cases, the SGD learning-rate sweep, and more.
 
-Cases (Section 5 of arXiv:2609.01231): (1) SGD lr 0.25; (2) SGD lr 0.25 + weight decay
-4e-4; (3) AdamW lr 1e-3 + weight decay 0.1; (4) case 3 + rebalancing; plus the SGD sweep
-lr 0.5, 0.25, 0.125, 0.0625. Beyond the paper: the four cases on a RoPE and on a GQA
-variant, and AdamW with the ``project`` correction.
+Cases (Section 5 of arXiv:2609.01231), defined once in :data:`PAPER_CASES`: (1) SGD lr
+0.25; (2) SGD lr 0.25 + weight decay 4e-4; (3) AdamW lr 1e-3 + weight decay 0.1; (4) case
+3 + rebalancing; plus the SGD sweep lr 0.5, 0.25, 0.125, 0.0625. Beyond the paper: the four
+cases on a RoPE and on a GQA variant, and AdamW with the ``project`` correction.
+
+This module trains and measures; it returns data (:class:`ExperimentData`) and draws
+nothing. `attnid.report.training` turns the data into figures, tables and claims.
 """
 
 from __future__ import annotations
@@ -13,9 +16,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
+
 from attnid.errors import AttnidError
+from attnid.progress import Progress
+from attnid.symmetry import AttentionWeights, metrics
+from attnid.train.data import shakespeare
 from attnid.train.loop import PRESETS, TrainConfig, train
-from attnid.train.model import GPTConfig
+from attnid.train.model import GPT, GPTConfig
 
 
 @dataclass(frozen=True)
@@ -39,8 +48,47 @@ SCALES = {
     "paper": Scale("paper", steps=5000, batch_size=64, log_every=10, eval_every=250, rebalance_every=200),
 }
 
-PAPER_CASES = ("sgd", "sgd_wd", "adamw", "adamw_rebalance")
+
+@dataclass(frozen=True)
+class Case:
+    """One optimizer setting of the paper's Section 5."""
+
+    title: str
+    optimizer: str
+    lr: float
+    weight_decay: float = 0.0
+    rebalance: bool = False
+
+
+PAPER_CASES: dict[str, Case] = {
+    "sgd": Case("SGD lr 0.25", "sgd", 0.25),
+    "sgd_wd": Case("SGD lr 0.25, wd 4e-4", "sgd", 0.25, 4e-4),
+    "adamw": Case("AdamW lr 1e-3, wd 0.1", "adamw", 1e-3, 0.1),
+    "adamw_rebalance": Case("AdamW + rebalancing", "adamw", 1e-3, 0.1, rebalance=True),
+}
 SWEEP_LRS = (0.5, 0.25, 0.125, 0.0625)
+# run-name prefix -> label of the attention variant the four cases are repeated on
+VARIANTS = {"": "MHA", "rope_": "RoPE", "gqa_": "GQA"}
+
+
+def title(name: str) -> str:
+    """A run's human name: ``rope_adamw`` -> ``RoPE: AdamW lr 1e-3, wd 0.1``."""
+    if name.startswith("sweep_lr"):
+        return f"SGD lr {name.removeprefix('sweep_lr')}"
+    if name == "adamw_project":
+        return "AdamW + projection"
+    for prefix, label in VARIANTS.items():
+        if prefix and name.startswith(prefix):
+            return f"{label}: {title(name.removeprefix(prefix))}"
+    return PAPER_CASES[name].title if name in PAPER_CASES else name
+
+
+def variant_model(base: GPTConfig, prefix: str) -> GPTConfig:
+    if prefix == "rope_":
+        return replace(base, rope=1.0)
+    if prefix == "gqa_":
+        return replace(base, n_kv_heads=max(1, base.n_heads // 2))
+    return base
 
 
 def case_configs(scale: str, *, beyond: bool = True, seed: int = 0, device: str = "cpu"
@@ -53,45 +101,68 @@ def case_configs(scale: str, *, beyond: bool = True, seed: int = 0, device: str 
     base = TrainConfig(model=base_model, steps=sc.steps, batch_size=sc.batch_size, seed=seed,
                        log_every=sc.log_every, eval_every=sc.eval_every, device=device)
 
-    def four(prefix: str, model: GPTConfig) -> dict[str, TrainConfig]:
-        b = replace(base, model=model)
-        return {
-            f"{prefix}sgd": replace(b, optimizer="sgd", lr=0.25),
-            f"{prefix}sgd_wd": replace(b, optimizer="sgd", lr=0.25, weight_decay=4e-4),
-            f"{prefix}adamw": replace(b, optimizer="adamw", lr=1e-3, weight_decay=0.1),
-            f"{prefix}adamw_rebalance": replace(b, optimizer="adamw", lr=1e-3, weight_decay=0.1,
-                                                correct=f"rebalance:{sc.rebalance_every}"),
-        }
+    def four(prefix: str) -> dict[str, TrainConfig]:
+        b = replace(base, model=variant_model(base_model, prefix))
+        return {prefix + name: replace(b, optimizer=c.optimizer, lr=c.lr, weight_decay=c.weight_decay,
+                                       correct=f"rebalance:{sc.rebalance_every}" if c.rebalance else "off")
+                for name, c in PAPER_CASES.items()}
 
-    runs = four("", base_model)
+    runs = four("")
     for lr in SWEEP_LRS:
         runs[f"sweep_lr{lr:g}"] = replace(base, optimizer="sgd", lr=lr)
     if beyond:
-        heads = base_model.n_heads
-        runs.update(four("rope_", replace(base_model, rope=1.0)))
-        runs.update(four("gqa_", replace(base_model, n_kv_heads=max(1, heads // 2))))
+        runs.update(four("rope_"))
+        runs.update(four("gqa_"))
         runs["adamw_project"] = replace(runs["adamw"], correct="project")
     return runs
 
 
-def same_point_drift(run_dir: Path, lrs: tuple[float, ...]) -> dict[str, Any]:
+def load_run(run_dir: Path) -> dict[str, np.ndarray]:
+    """metrics.jsonl -> arrays: ``step [S]``, scalars ``[S]``, per-head metrics ``[S, L*G]``,
+    per-layer metrics ``[S, L]``; ``val_step``/``val_loss`` where evaluated."""
+    recs = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    out: dict[str, Any] = {"step": np.array([r["step"] for r in recs], dtype=float)}
+    for key in recs[0]:
+        if key in ("step", "val_loss"):
+            continue
+        vals = [r.get(key) for r in recs]
+        if isinstance(vals[0], list):
+            out[key] = np.array([np.ravel(np.array(v, dtype=float)) for v in vals])
+        else:
+            out[key] = np.array(vals, dtype=float)
+    vl = [(r["step"], r["val_loss"]) for r in recs if "val_loss" in r]
+    out["val_step"] = np.array([s for s, _ in vl], dtype=float)
+    out["val_loss"] = np.array([v for _, v in vl], dtype=float)
+    out["update_norm_layers"] = out["update_norm"]  # [S, L]
+    out["update_norm"] = np.sqrt((out["update_norm"] ** 2).sum(1))  # [S]: the whole update
+    return out
+
+
+def _naive_qk(w: AttentionWeights) -> torch.Tensor:
+    """The QK quantity one would conserve if RoPE and GQA were ignored: per query head,
+    ``W~_Q^hT W~_Q^h - W~_K^gT W~_K^g`` (no commutant projection, no sum over the group):
+    ``[..., H, dk, dk]``. A control: gradient flow does *not* conserve it under RoPE or GQA,
+    so it drifts at first order in the step."""
+    s = w.spec
+    Q = w.W_Q if w.b_Q is None else torch.cat([w.W_Q, w.b_Q.unsqueeze(-2)], dim=-2)  # [..., H, d+1, dk]
+    K = w.W_K if w.b_K is None else torch.cat([w.W_K, w.b_K.unsqueeze(-2)], dim=-2)  # [..., G, d+1, dk]
+    K = K.repeat_interleave(s.group_size, dim=-3)  # [..., H, d(+1), dk]
+    return Q.transpose(-1, -2) @ Q - K.transpose(-1, -2) @ K
+
+
+def same_point_drift(run_dir: Path, lrs: tuple[float, ...], *, batch_seed: int = 123) -> dict[str, Any]:
     """Drift of one SGD step of each lr from the *same* trained weights, in float64.
 
     The theory's statement (drift = O(lr^2) per step) isolated from trajectory effects and
     from float32 rounding: one gradient at the end of the run, ``w - lr g`` for every lr.
+    Also the drift of :func:`_naive_qk` (first order when RoPE or GQA make it the wrong
+    quantity) and the step's norm, for the check ``drift <= ||lr g_QK||^2``.
     """
-    import numpy as np
-    import torch
-
-    from attnid.symmetry import AttentionWeights, metrics
-    from attnid.train.data import shakespeare
-    from attnid.train.model import GPT
-
     cfg = TrainConfig.from_dict(json.loads((run_dir / "config.json").read_text()))
     model = GPT(cfg.model).double()
     model.load_state_dict(torch.load(run_dir / "checkpoint.pt", weights_only=False)["model"])
     x, y = shakespeare().batch("train", cfg.batch_size, cfg.model.block_size,
-                               torch.Generator().manual_seed(123))
+                               torch.Generator().manual_seed(batch_seed))
     model.zero_grad()
     model(x, y)[1].backward()
     spec = cfg.model.attention_spec()
@@ -99,38 +170,58 @@ def same_point_drift(run_dir: Path, lrs: tuple[float, ...]) -> dict[str, Any]:
     gs = [AttentionWeights.from_tensors(spec, {n: p.grad for n, p in b.attn.named_parameters()})
           for b in model.blocks]
     w, g = AttentionWeights.stack(ws), AttentionWeights.stack(gs)
-    out: dict[str, Any] = {"lr": list(lrs)}
+    qk_names = [n for n in ("W_Q", "b_Q", "W_K", "b_K") if n in spec.param_shapes()]
+    g_qk_sq = float(sum(g[n].square().sum() for n in qk_names))
+    out: dict[str, Any] = {"lr": list(lrs), "step_sq_qk": [lr**2 * g_qk_sq for lr in lrs]}
+    naive0 = _naive_qk(w)
     for side in ("qk", "vo"):
-        d = [float(metrics(w, w - g.scale(lr))[f"drift_{side}"].mean()) for lr in lrs]
+        d = [float(metrics(w, w - g.scale(lr))[f"drift_{side}"].max()) for lr in lrs]
         out[f"drift_{side}"] = d
         out[f"slope_{side}"] = float(np.polyfit(np.log(lrs), np.log(d), 1)[0])
+    naive = [float((_naive_qk(w - g.scale(lr)) - naive0).flatten(-2).norm(dim=-1).max()) for lr in lrs]
+    out["drift_qk_naive"] = naive
+    out["slope_qk_naive"] = float(np.polyfit(np.log(lrs), np.log(naive), 1)[0])
     return out
 
 
-def run_experiment(out: Path, *, scale: str = "cpu", beyond: bool = True, seed: int = 0,
-                   device: str = "cpu", progress=None) -> dict[str, Any]:
-    """Train every case (reusing identical runs), then write figures and tables under ``out``."""
-    from attnid.report.training import write_training_report
+@dataclass(frozen=True)
+class ExperimentData:
+    """What the experiment measured: every run's metrics and config, and the same-point
+    drift of one float64 SGD step from each variant's trained SGD weights (keyed by the
+    variant's run-name prefix: ``""``, ``"rope_"``, ``"gqa_"``)."""
 
+    out: Path
+    configs: dict[str, TrainConfig]
+    runs: dict[str, dict[str, np.ndarray]]
+    same_point: dict[str, dict[str, Any]]
+
+    @property
+    def n_heads(self) -> int:
+        return self.configs["sgd"].model.n_heads
+
+
+def run_experiment(out: Path, *, scale: str = "cpu", beyond: bool = True, seed: int = 0,
+                   device: str = "cpu", progress: Progress | None = None) -> ExperimentData:
+    """Train every case (reusing identical runs) under ``out/runs``; return the measurements."""
     out = Path(out)
+    shown = progress if progress is not None else Progress(enabled=False)
     runs = case_configs(scale, beyond=beyond, seed=seed, device=device)
     done: dict[str, str] = {}
-    for i, (name, cfg) in enumerate(runs.items()):
+    same_point: dict[str, dict[str, Any]] = {}
+    for i, (name, cfg) in enumerate(runs.items(), start=1):
         key = json.dumps(cfg.to_dict(), sort_keys=True)
-        if progress is not None:
-            progress(f"training {name} ({i + 1}/{len(runs)})")
+        shown.run(i, len(runs), f"training {name} ({title(name)})")
         if key in done:  # e.g. the sweep's lr 0.25 is case 1
             (out / "runs" / name).mkdir(parents=True, exist_ok=True)
             for f in ("config.json", "metrics.jsonl", "summary.json"):
-                src = out / "runs" / done[key] / f
-                (out / "runs" / name / f).write_text(src.read_text())
+                (out / "runs" / name / f).write_text((out / "runs" / done[key] / f).read_text())
             continue
-        train(cfg, out / "runs" / name, progress=False)
-        if name == "sgd":
-            drift = same_point_drift(out / "runs" / name, SWEEP_LRS)
-            (out / "same_point_drift.json").write_text(json.dumps(drift, indent=2))
-        (out / "runs" / name / "checkpoint.pt").unlink(missing_ok=True)
+        prefix = name.removesuffix("sgd")
+        keep = name.endswith("sgd") and prefix in VARIANTS  # the same-point analysis needs weights
+        train(cfg, out / "runs" / name, progress=shown if shown.rich else False, checkpoint=keep)
+        if keep:
+            same_point[prefix] = same_point_drift(out / "runs" / name, SWEEP_LRS)
+            (out / "runs" / name / "checkpoint.pt").unlink(missing_ok=True)
         done[key] = name
-    if progress is not None:
-        progress("drawing training figures")
-    return write_training_report(out, list(runs), runs["sgd"].model.n_heads)
+    (out / "same_point_drift.json").write_text(json.dumps(same_point, indent=2))
+    return ExperimentData(out, runs, {n: load_run(out / "runs" / n) for n in runs}, same_point)

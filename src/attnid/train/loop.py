@@ -1,26 +1,29 @@
 """`attnid train`: the training loop with orbit metrics, corrections, resume, Ctrl-C and DDP.
 
 Writes ``OUT/config.json`` (everything needed to rerun), ``OUT/metrics.jsonl`` (one JSON
-object per logged step), ``OUT/checkpoint.pt`` (for ``--resume``) and ``OUT/summary.json``.
+object per logged step), ``OUT/checkpoint.pt`` (for ``--resume``; optional) and
+``OUT/summary.json`` (final loss, median rho and first/last beta per side).
 Under ``torchrun`` (``WORLD_SIZE > 1``) it trains with DistributedDataParallel (gloo on the
 CPU); every rank computes the same metrics and corrections, rank 0 writes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
 from attnid.errors import AttnidError
 from attnid.monitor import Corrector, Monitor, parse_mode
+from attnid.progress import Progress
 from attnid.train.data import shakespeare
 from attnid.train.model import GPT, GPTConfig
 
@@ -103,24 +106,34 @@ def evaluate(model: GPT, cfg: TrainConfig, gen: torch.Generator) -> float:
     return sum(losses) / len(losses)
 
 
-def train(cfg: TrainConfig, out: Path, *, resume: bool = False, progress: bool = True) -> dict[str, Any]:
-    """Run one training; return the summary. ``KeyboardInterrupt`` leaves a valid log and checkpoint."""
+@dataclass
+class _Run:
+    """The live objects of one training run."""
+
+    cfg: TrainConfig
+    model: GPT
+    wrapped: torch.nn.Module
+    opt: torch.optim.Optimizer
+    gen: torch.Generator
+    start: int
+    rank: int
+    world: int
+
+
+def _setup(cfg: TrainConfig, out: Path, resume: bool) -> _Run:
+    """Model, optimizer and data generator, fresh or restored from ``out/checkpoint.pt``."""
     rank, world = _ddp()
-    data = shakespeare()
-    cfg = replace(cfg, model=replace(cfg.model, vocab_size=data.vocab_size))
-    out = Path(out)
+    cfg = replace(cfg, model=replace(cfg.model, vocab_size=shakespeare().vocab_size))
     ckpt_path = out / "checkpoint.pt"
     if resume and not ckpt_path.exists():
         raise AttnidError(f"nothing to resume: {ckpt_path} does not exist")
     if resume:
         saved = TrainConfig.from_dict(json.loads((out / "config.json").read_text()))
         cfg = replace(saved, steps=max(saved.steps, cfg.steps))
-
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model).to(cfg.device)
     opt = make_optimizer(cfg, model)
     gen = torch.Generator().manual_seed(1000 * cfg.seed + rank)
-    eval_gen = torch.Generator().manual_seed(7)
     start = 0
     if resume:
         state = torch.load(ckpt_path, weights_only=False)
@@ -128,101 +141,180 @@ def train(cfg: TrainConfig, out: Path, *, resume: bool = False, progress: bool =
         opt.load_state_dict(state["optimizer"])
         gen.set_state(state["gen"])
         start = state["step"]
-    wrapped: torch.nn.Module = model
-    if world > 1:
-        wrapped = torch.nn.parallel.DistributedDataParallel(model)
-    monitor = Monitor(model)
-    corrector = Corrector(model, cfg.correct)
+    wrapped = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    return _Run(cfg, model, wrapped, opt, gen, start, rank, world)
 
-    writer = rank == 0
+
+def _open_log(run: _Run, out: Path, resume: bool):
+    """Rank 0 writes ``config.json`` and opens ``metrics.jsonl`` (records after the checkpoint
+    dropped on resume); other ranks write nothing."""
+    if run.rank != 0:
+        return None
     metrics_path = out / "metrics.jsonl"
-    if writer:
-        out.mkdir(parents=True, exist_ok=True)
-        _atomic_write(out / "config.json", json.dumps(cfg.to_dict(), indent=2))
-        if resume and metrics_path.exists():  # drop records logged after the checkpoint
-            kept = [ln for ln in metrics_path.read_text().splitlines()
-                    if ln.strip() and json.loads(ln)["step"] <= start]
-            _atomic_write(metrics_path, "".join(k + "\n" for k in kept))
-        elif metrics_path.exists():
-            metrics_path.unlink()
-    log = metrics_path.open("a") if writer else None
+    out.mkdir(parents=True, exist_ok=True)
+    _atomic_write(out / "config.json", json.dumps(run.cfg.to_dict(), indent=2))
+    if resume and metrics_path.exists():
+        kept = [ln for ln in metrics_path.read_text().splitlines()
+                if ln.strip() and json.loads(ln)["step"] <= run.start]
+        _atomic_write(metrics_path, "".join(k + "\n" for k in kept))
+    elif metrics_path.exists():
+        metrics_path.unlink()
+    return metrics_path.open("a")
 
-    def save(step: int) -> None:
-        if writer:
-            tmp = ckpt_path.with_suffix(".tmp")
-            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
-                        "gen": gen.get_state(), "step": step}, tmp)
-            tmp.replace(ckpt_path)
 
-    bar = _progress(progress and writer, cfg.steps, start)
-    step = start
-    t0 = time.perf_counter()
-    last_loss = float("nan")
+def _save(run: _Run, out: Path, step: int) -> None:
+    """Model, optimizer and generator state for ``--resume`` (rank 0, atomically)."""
+    if run.rank == 0:
+        path = out / "checkpoint.pt"
+        tmp = path.with_suffix(".tmp")
+        torch.save({"model": run.model.state_dict(), "optimizer": run.opt.state_dict(),
+                    "gen": run.gen.get_state(), "step": step}, tmp)
+        tmp.replace(path)
+
+
+class _UpdateSizes:
+    """Squared norm of every step's attention update, per layer and side, summed between logs.
+
+    Plain SGD changes the conserved quantities only at second order: per step
+    ``||C_QK(w + d) - C_QK(w)||_F <= ||d_QK||^2`` (``d_QK``: the update of W_Q, b_Q, W_K,
+    b_K). Logging ``sum ||d_QK||^2`` between records (and the largest single ``||d||``) makes
+    that bound checkable over the whole run, not only at the logged steps. Cheap: one copy
+    of the attention weights per step.
+    """
+
+    SIDES: ClassVar[dict[str, tuple[str, ...]]] = {"qk": ("W_Q", "b_Q", "W_K", "b_K", "g_Q", "g_K"),
+                                                   "vo": ("W_V", "b_V", "W_O", "b_O")}
+
+    def __init__(self, model: GPT) -> None:
+        self.params = {side: [[p for n, p in b.attn.named_parameters() if n in names] for b in model.blocks]
+                       for side, names in self.SIDES.items()}
+        self._before: dict[str, list[torch.Tensor]] = {}
+        self._reset()
+
+    def _reset(self) -> None:
+        n = len(self.params["qk"])
+        self.sums: dict[str, list[float]] = {"update_sq_qk": [0.0] * n, "update_sq_vo": [0.0] * n,
+                                             "update_norm_max": [0.0] * n}
+
+    def _flat(self) -> dict[str, list[torch.Tensor]]:
+        return {side: [torch.cat([p.detach().reshape(-1) for p in ps]).double() for ps in layers]
+                for side, layers in self.params.items()}
+
+    def before(self) -> None:
+        self._before = self._flat()
+
+    def after(self) -> None:
+        now = self._flat()
+        for i in range(len(self.params["qk"])):
+            total = 0.0
+            for side in ("qk", "vo"):
+                sq = float((now[side][i] - self._before[side][i]).square().sum())
+                self.sums[f"update_sq_{side}"][i] += sq
+                total += sq
+            self.sums["update_norm_max"][i] = max(self.sums["update_norm_max"][i], math.sqrt(total))
+
+    def take(self) -> dict[str, list[float]]:
+        """The sums since the last record, then reset."""
+        out = self.sums
+        self._reset()
+        return out
+
+
+def _orbit_summary(records: list[dict[str, Any]]) -> dict[str, float]:
+    """Median rho (tangent share of the update) and first/last mean beta (norm of the conserved
+    quantity) over the logged records, for the end-of-run summary."""
+    out: dict[str, float] = {}
+    if not records:
+        return out
+    for side in ("qk", "vo"):
+        rhos = sorted(float(v) for r in records[1:] or records for v in _flatten(r[f"rho_{side}"]))
+        out[f"median_rho_{side}"] = rhos[len(rhos) // 2]
+        for tag, rec in (("first", records[0]), ("last", records[-1])):
+            betas = _flatten(rec[f"beta_{side}"])
+            out[f"beta_{side}_{tag}"] = sum(betas) / len(betas)
+    return out
+
+
+def _flatten(v: Any) -> list[float]:
+    return [x for item in v for x in _flatten(item)] if isinstance(v, list) else [float(v)]
+
+
+def train(cfg: TrainConfig, out: Path, *, resume: bool = False, progress: bool | Progress = True,
+          checkpoint: bool = True) -> dict[str, Any]:
+    """Run one training; return the summary. ``KeyboardInterrupt`` leaves a valid log (and,
+    with ``checkpoint``, a checkpoint to resume from).
+
+    ``progress``: a :class:`attnid.progress.Progress` to report steps to, ``True`` for a new
+    one on stderr, ``False`` for silence. ``checkpoint=False`` writes no ``checkpoint.pt``.
+    """
+    out = Path(out)
+    run = _setup(cfg, out, resume)
+    cfg = run.cfg
+    data = shakespeare()
+    monitor = Monitor(run.model)
+    corrector = Corrector(run.model, cfg.correct)
+    sizes = _UpdateSizes(run.model)
+    eval_gen = torch.Generator().manual_seed(7)
+    log = _open_log(run, out, resume)
+    records: list[dict[str, Any]] = []
+    shown = progress if isinstance(progress, Progress) else Progress(enabled=bool(progress))
+    bar = shown.steps(cfg.steps, "train", run.start) if run.rank == 0 else Progress(enabled=False).steps(1)
+    step, last_loss, t0 = run.start, float("nan"), time.perf_counter()
     try:
-        for step in range(start + 1, cfg.steps + 1):
-            x, y = data.batch("train", cfg.batch_size, cfg.model.block_size, gen)
-            _, loss = wrapped(x.to(cfg.device), y.to(cfg.device))
-            opt.zero_grad(set_to_none=True)
+        for step in range(run.start + 1, cfg.steps + 1):
+            x, y = data.batch("train", cfg.batch_size, cfg.model.block_size, run.gen)
+            _, loss = run.wrapped(x.to(cfg.device), y.to(cfg.device))
+            run.opt.zero_grad(set_to_none=True)
             loss.backward()
             logging = step == 1 or step % cfg.log_every == 0 or step == cfg.steps
-            if logging:
-                with monitor.step(), corrector.step():
-                    opt.step()
-            else:
-                with corrector.step():
-                    opt.step()
+            sizes.before()
+            with monitor.step() if logging else contextlib.nullcontext(), corrector.step():
+                run.opt.step()
+            sizes.after()
             last_loss = float(loss.detach())
             if not math.isfinite(last_loss):
                 raise AttnidError(f"the loss diverged at step {step} (lr {cfg.lr} too large?)")
             if logging:
-                record: dict[str, Any] = {"step": step, "loss": last_loss, **monitor.last}
+                record: dict[str, Any] = {"step": step, "loss": last_loss, **monitor.last, **sizes.take()}
                 if step % cfg.eval_every == 0 or step == cfg.steps:
-                    record["val_loss"] = evaluate(model, cfg, eval_gen)
+                    record["val_loss"] = evaluate(run.model, cfg, eval_gen)
+                records.append(record)
                 if log is not None:
                     log.write(json.dumps(record) + "\n")
                     log.flush()
-            if step % cfg.eval_every == 0:
-                save(step)
+            if checkpoint and step % cfg.eval_every == 0:
+                _save(run, out, step)
             bar(step, last_loss)
     except KeyboardInterrupt:
-        save(step - 1 if step > start else start)
+        if checkpoint:
+            _save(run, out, step - 1 if step > run.start else run.start)
         raise
     finally:
-        bar(None, last_loss)
+        bar.close()
         if log is not None:
             log.close()
-    save(cfg.steps)
-    summary: dict[str, Any] = {"steps": cfg.steps, "final_loss": last_loss, "world_size": world, "rank": rank,
-                               "seconds": time.perf_counter() - t0}
-    if world > 1:
-        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        allf = [torch.zeros_like(flat) for _ in range(world)]
+    if checkpoint:
+        _save(run, out, cfg.steps)
+    return _finish(run, out, last_loss, time.perf_counter() - t0, _orbit_summary(records))
+
+
+def _finish(run: _Run, out: Path, last_loss: float, seconds: float, orbit: dict[str, float]
+            ) -> dict[str, Any]:
+    """The summary (written by rank 0); under DDP, checks that the ranks ended in sync."""
+    summary: dict[str, Any] = {"steps": run.cfg.steps, "final_loss": last_loss, "world_size": run.world,
+                               "rank": run.rank, "seconds": seconds, **orbit}
+    ckpt = out / "checkpoint.pt"
+    if ckpt.exists():
+        summary["checkpoint_bytes"] = ckpt.stat().st_size
+    if run.world > 1:
+        flat = torch.cat([p.detach().reshape(-1) for p in run.model.parameters()])
+        allf = [torch.zeros_like(flat) for _ in range(run.world)]
         dist.all_gather(allf, flat)
         summary["ranks_in_sync"] = all(torch.equal(allf[0], f) for f in allf)
         summary["max_rank_diff"] = max(float((allf[0] - f).abs().max()) for f in allf)
-    if writer:
+    if run.rank == 0:
         _atomic_write(out / "summary.json", json.dumps(summary, indent=2))
-    if world > 1:
+    if run.world > 1:
         dist.barrier()
         dist.destroy_process_group()
     return summary
-
-
-def _progress(enabled: bool, total: int, start: int):
-    """A rich progress bar with the running loss; a no-op when disabled."""
-    if not enabled:
-        return lambda step, loss: None
-    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-
-    prog = Progress(TextColumn("train"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                    TextColumn("loss {task.fields[loss]}"), TimeRemainingColumn(), transient=True)
-    task = prog.add_task("train", total=total, completed=start, loss="-")
-    prog.start()
-
-    def update(step: int | None, loss: float) -> None:
-        if step is None:
-            prog.stop()
-        else:
-            prog.update(task, completed=step, loss=f"{loss:.3f}")
-
-    return update

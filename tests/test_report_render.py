@@ -1,0 +1,77 @@
+"""The report's rendering and the progress lines: pipes, failing claims, captions, non-TTY output."""
+
+from __future__ import annotations
+
+import io
+import re
+from pathlib import Path
+
+from attnid.progress import Progress
+from attnid.report.document import Claim, Figure, Section, Table, markdown_table, render_html, render_markdown
+
+PNG = (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\x00\x00\x00\x01\x00\x00\x00\x01\x08\x06\x00\x00\x00\x1f\x15"
+       b"\xc4\x89\x00\x00\x00\rIDATx\x9cc\xf8\x0f\x00\x00\x01\x01\x00\x05\x18\xd8N\x00\x00\x00\x00IEND\xaeB`\x82")
+
+
+def _report(tmp_path: Path) -> tuple[str, str]:
+    (tmp_path / "f.png").write_bytes(PNG)
+    claims = (Claim("T", "a true claim about b_K", True, "max |grad b_K| 1e-9, median |grad b_Q| 1e-2"),
+              Claim("T", "a *false* claim", False, "x | y = 3"))
+    sections = [Section("Section one", "Some text.", (Table("t", [{"a": 1, "b": "p|q"}], notes=("note",)),),
+                        (Figure(tmp_path / "f.png", "What to see."),), claims)]
+    md = render_markdown("Report", "intro", sections, "quick run")
+    return md, render_html(md, tmp_path)
+
+
+def test_pipe_in_evidence_does_not_split_a_row(tmp_path):
+    _, html = _report(tmp_path)
+    rows = re.findall(r"<tr[^>]*>(.*?)</tr>", html, flags=re.S)
+    for row in rows:
+        assert row.count("<td") in (0, 2, 4), row  # every body row keeps its column count
+    assert "max |grad b_K| 1e-9" in html and "<td>p|q</td>" in html
+    assert "\\|" in markdown_table([{"e": "a|b"}])
+
+
+def test_failing_claims_come_first_and_are_red_in_html(tmp_path):
+    md, html = _report(tmp_path)
+    summary = md.split("## Summary")[1].split("## Section one")[0]
+    assert summary.index("a \\*false\\* claim") < summary.index("a true claim")
+    fail_rows = re.findall(r'<tr class="fail">(.*?)</tr>', html, flags=re.S)
+    assert len(fail_rows) == 1 and "false" in fail_rows[0]
+    assert '<li class="fail">' in html and "tr.fail td" in html and "#b00000" in html
+    assert "**" not in html and "`" not in html  # Markdown rendered, not shown raw
+
+
+def test_figures_are_embedded_with_captions(tmp_path):
+    md, html = _report(tmp_path)
+    assert "*Figure 1.* What to see." in md
+    assert html.count("data:image/png;base64,") == 1 and "What to see." in html
+
+
+def test_non_tty_progress_prints_timestamped_lines_with_eta():
+    stream = io.StringIO()
+    ticks = iter(range(0, 1000, 10))
+    p = Progress(stream, clock=lambda: float(next(ticks)))
+    assert not p.rich
+    p.stage("Table 1")
+    p.run(1, 3, "sgd")
+    p.run(2, 3, "adamw")
+    bar = p.steps(10, "adamw")
+    for step in range(1, 11):
+        bar(step, 2.5)
+    bar.close()
+    p.close()
+    lines = stream.getvalue().splitlines()
+    assert all(re.match(r"\d\d:\d\d:\d\d ", ln) for ln in lines), lines
+    assert lines[0].endswith("Table 1") and lines[1].endswith("run 1/3 sgd")
+    assert re.search(r"run 2/3 adamw \(ETA \d\d:\d\d:\d\d, 0:20 left\)", lines[2]), lines[2]
+    assert sum("adamw: step" in ln for ln in lines) == 10 and "step 10/10" in lines[-1]
+
+
+def test_disabled_progress_prints_nothing():
+    stream = io.StringIO()
+    p = Progress(stream, enabled=False)
+    p.stage("x")
+    p.run(1, 2, "y")
+    p.steps(5)(1, 1.0)
+    assert stream.getvalue() == ""
