@@ -79,6 +79,14 @@ def _readers(s: AttentionSpec, st: Structure) -> tuple[list[tuple[int, bool]], l
     return attn, mlp
 
 
+def _behind_layernorm(s: AttentionSpec, st: Structure) -> AttentionSpec:
+    """The attention a LayerNorm's readers effectively are: inputs span ``d - 1`` dimensions
+    (orthogonal to all-ones), and a LayerNorm bias ``b`` gives every reader an offset ``b W``
+    that centring moves freely: q, k and v behave as if they had biases."""
+    bias = "".join(sorted(set(s.bias) | ({"q", "k", "v"} if st.norm_bias else set())))
+    return replace(s, d_model=st.d_model - 1, bias=bias)
+
+
 def _norm(st: Structure, readers: list[tuple[int, bool]] | None) -> tuple[int, int]:
     """(params, unidentified) of one residual norm; ``readers`` None: nothing can absorb its
     gain (a tied unembedding reads it, or it is the output)."""
@@ -111,7 +119,7 @@ def count_structure(st: Structure) -> WholeCount:
     out: dict[str, list[int]] = {}
     for s in st.specs:
         c = count(s)
-        seen = count(replace(s, d_model=w)) if layer else c
+        seen = count(_behind_layernorm(s, st)) if layer else c
         _add(out, "attention", c.total, seen.unidentified, c.near_unidentified)
         attn_r, mlp_r = _readers(s, st)
         if st.layout == "parallel" and st.shared_norm:
@@ -138,6 +146,8 @@ def count_structure(st: Structure) -> WholeCount:
     if layer:
         unid += sum(tables) + (V if input_only_E else 0)
     unid += len(tables) * (d - (1 if layer and input_only_E else 0))
+    if layer and not input_only_E and not tables:
+        unid += 1  # tied: E + c 1 1^T shifts the stream along all-ones and the logits uniformly
     _add(out, "embeddings", d * (V + sum(tables)), unid)
     if lm and not st.tied:
         _add(out, "head", V * d, d)  # logits shifted by a constant across the vocabulary
