@@ -191,3 +191,46 @@ def arbiter_whole(config: dict[str, Any], *, seed: int = 0, seq_len: int = 6,
         near_n = max(jacobian_rank(exact, x, forward=fwd, seed=seed, near_rtol=0.0).nullity
                      - found.nullity, 0)
     return WholeArbiter(found, near_n, kind, T)
+
+
+REDUCED_KEYS = ("hidden_size", "n_embd", "num_attention_heads", "n_head", "num_key_value_heads",
+                "num_kv_heads", "head_dim", "intermediate_size", "n_inner", "ffn_hidden_size",
+                "vocab_size", "num_hidden_layers", "n_layer", "max_position_embeddings",
+                "n_positions", "type_vocab_size", "tie_word_embeddings")
+
+
+def reduced_whole_config(adapter: Any, config: dict[str, Any]) -> dict[str, Any]:
+    """The attention's reduced config (same grouping, rotary fraction, biases, norms) with a
+    tiny whole model around it: one layer, 6 MLP units, a 6-row position table, eps 1e-2 (so
+    near-unidentified directions stand clear), the config's own tying. A parallel layout's
+    first MLP sees only the vocabulary's rows, so it gets 40 tokens (enough to pin it down)."""
+    small = adapter.reduce(config)
+    st = adapter.whole(config)
+    out = dict(small, vocab_size=40 if st.layout == "parallel" else 16, tie_word_embeddings=st.tied,
+               pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    for key in ("num_hidden_layers", "n_layer"):
+        if key in out or key == "num_hidden_layers":
+            out[key] = 1
+    for key in ("intermediate_size", "n_inner", "ffn_hidden_size"):
+        if key in out or (key == "ffn_hidden_size" and adapter.model_type == "falcon"):
+            out[key] = 6
+    for key in ("max_position_embeddings", "n_positions"):
+        if key in out:
+            out[key] = 6
+    for key in ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon"):
+        out[key] = 1e-2
+    return out
+
+
+def numeric_whole(adapter: Any, config: dict[str, Any], *, seed: int = 0):
+    """The arbiter's whole-model count of a reduced config (families without a closed form)."""
+    from attnid.theory import Component
+    from attnid.whole.count import WholeCount
+
+    small = reduced_whole_config(adapter, config)
+    found = arbiter_whole(small, seed=seed)
+    r = found.result
+    return WholeCount(adapter.whole(small),
+                      {"whole (reduced config)": Component(r.n_params, r.nullity, found.near_unidentified)},
+                      method="numeric: the whole-model arbiter on a reduced config of the same structure",
+                      reduced_config={k: small[k] for k in REDUCED_KEYS if small.get(k) is not None})
