@@ -60,11 +60,22 @@ def verify_cmd(
         "--confirm/--no-confirm", help="Recount at a second seed with twice the sequences.")] = True,
     hf_config: Annotated[str | None, typer.Option(
         "--hf-config", help="Check a Hugging Face attention class, reduced from this config.")] = None,
+    whole: Annotated[bool, typer.Option(
+        "--whole", help="With --hf-config: every parameter of the reduced model, not only one "
+        "attention layer.")] = False,
     json_out: Json = False,
 ) -> None:
     """Arbiter (Jacobian rank, float64) against the closed form; exit 1 on disagreement."""
+    if whole:
+        if hf_config is None:
+            raise AttnidError("--whole needs --hf-config MODEL")
+        _verify_whole(hf_config, seed, confirm, json_out)
+        return
     if hf_config is not None:
         from attnid.adapters.reduced import verify_hf_config
+        from attnid.errors import require
+
+        require("transformers", "hf")
 
         result = verify_hf_config(hf_config, seed=seed, confirm=confirm)
     else:
@@ -90,6 +101,32 @@ def verify_cmd(
             f"  spectral gap {'n/a' if gap is None else f'{gap:.2e}'}   stable across seeds: "
             f"{d['stable']}   {d['seconds']:.2f}s"
         )
+    raise typer.Exit(0 if result.agree else 1)
+
+
+def _verify_whole(hf_config: str, seed: int, confirm: bool, json_out: bool) -> None:
+    from attnid.errors import require
+
+    require("transformers", "hf")
+    from attnid.whole.check import verify_whole_hf_config
+
+    result = verify_whole_hf_config(hf_config, seed=seed, confirm=confirm)
+    d = result.to_dict()
+    if json_out:
+        emit_json(d)
+    else:
+        gap = d["spectral_gap"]
+        typer.echo(
+            f"{'AGREE' if result.agree else 'DISAGREE'}  {d['model']}\n"
+            f"  function: {d['function']}   parameters {d['total']} (theory {d['total_theory']})   "
+            f"unidentified: theory {d['unidentified_theory']}, arbiter {d['unidentified_numeric']}   "
+            f"near-unidentified: theory {d['near_unidentified_theory']}, arbiter "
+            f"{d['near_unidentified_numeric']}\n"
+            f"  spectral gap {'n/a' if gap is None else f'{gap:.2e}'}   stable across seeds: "
+            f"{d['stable']}   {d['seconds']:.2f}s")
+        for k, v in d["components"].items():
+            typer.echo(f"    {k:<12} params {v['params']:>8}  unidentified {v['unidentified']:>6}"
+                       f"  near {v['near_unidentified']}")
     raise typer.Exit(0 if result.agree else 1)
 
 

@@ -234,3 +234,71 @@ def numeric_whole(adapter: Any, config: dict[str, Any], *, seed: int = 0):
                       {"whole (reduced config)": Component(r.n_params, r.nullity, found.near_unidentified)},
                       method="numeric: the whole-model arbiter on a reduced config of the same structure",
                       reduced_config={k: small[k] for k in REDUCED_KEYS if small.get(k) is not None})
+
+
+@dataclass(frozen=True)
+class WholeVerification:
+    """The whole-model closed form next to the arbiter, at one or two random points."""
+
+    label: str
+    theory: Any  # WholeCount
+    arbiter: WholeArbiter
+    confirm: WholeArbiter | None
+
+    @property
+    def stable(self) -> bool:
+        c = self.confirm
+        return c is None or (c.unidentified, c.near_unidentified) == (
+            self.arbiter.unidentified, self.arbiter.near_unidentified)
+
+    @property
+    def agree(self) -> bool:
+        a = self.arbiter
+        return self.stable and a.result.n_params == self.theory.total and (
+            a.unidentified, a.near_unidentified) == (self.theory.unidentified,
+                                                     self.theory.near_unidentified)
+
+    def to_dict(self) -> dict[str, Any]:
+        a = self.arbiter.result
+        return {
+            "model": self.label, "function": self.arbiter.kind, "total": a.n_params,
+            "total_theory": self.theory.total, "unidentified_numeric": a.nullity,
+            "unidentified_theory": self.theory.unidentified,
+            "near_unidentified_numeric": self.arbiter.near_unidentified,
+            "near_unidentified_theory": self.theory.near_unidentified, "agree": self.agree,
+            "stable": self.stable, "spectral_gap": a.spectral_gap, "n_sequences": a.n_sequences,
+            "seq_len": a.seq_len, "n_rows": a.n_rows, "seconds": a.seconds,
+            "components": self.theory.to_dict()["components"],
+            "structure": self.theory.structure.to_dict() | {"specs": None},
+        }
+
+
+def verify_whole(config: dict[str, Any], label: str, *, seed: int = 0, confirm: bool = True
+                 ) -> WholeVerification:
+    """Closed form against the whole-model arbiter on ``config`` (already tiny)."""
+    from attnid.adapters.registry import adapter_for
+    from attnid.whole.count import count_structure
+
+    theory = count_structure(adapter_for(config).whole(config))
+    first = arbiter_whole(config, seed=seed)
+    second = arbiter_whole(config, seed=seed + 1,
+                           n_sequences=2 * first.result.n_sequences) if confirm else None
+    return WholeVerification(label, theory, first, second)
+
+
+def verify_whole_hf_config(model: str, *, seed: int = 0, confirm: bool = True) -> WholeVerification:
+    """``attnid verify --hf-config MODEL --whole``: the whole reduced model."""
+    from attnid.adapters.config import load_config
+    from attnid.adapters.registry import adapter_for
+    from attnid.errors import AttnidError
+
+    name, config = load_config(model)
+    adapter = adapter_for(config)
+    if not adapter.closed_form or adapter.whole(config).layout == "post":
+        raise AttnidError(f"{adapter.family} has no whole-model closed form to compare with; "
+                          "`attnid report` shows its numeric whole-model count")
+    small = reduced_whole_config(adapter, config)
+    arch = (small.get("architectures") or [adapter.model_type])[0]
+    shown = {k: small[k] for k in REDUCED_KEYS if small.get(k) is not None}
+    return verify_whole(small, f"{name} ({arch}, whole model, reduced: {shown})", seed=seed,
+                        confirm=confirm)

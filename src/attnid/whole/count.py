@@ -89,21 +89,23 @@ def _behind_layernorm(s: AttentionSpec, st: Structure) -> AttentionSpec:
     return replace(s, d_model=st.d_model - 1, bias=bias)
 
 
-def _norm(st: Structure, readers: list[tuple[int, bool]] | None) -> tuple[int, int]:
-    """(params, unidentified) of one residual norm; ``readers`` None: nothing can absorb its
-    gain (a tied unembedding reads it, or it is the output)."""
+def _norm(st: Structure, readers: list[tuple[int, bool]] | None,
+          out: dict[str, list[int]]) -> None:
+    """One residual norm: its gain (and bias) transfer under "norms", the centred output's
+    invisible reader columns under "centring". ``readers`` None: nothing can absorb its gain
+    (a tied unembedding reads it, or it is the output)."""
     d = st.d_model
     layer = st.norm == "layer"
     params = d * (2 if layer and st.norm_bias else 1)
     if readers is None:
-        return params, 0
-    unid = d  # gain transfer
-    if layer:
-        if st.norm_bias:  # the bias (d) and the centring of every biased reader
-            unid += d + sum(n for n, b in readers if b)
-        else:  # no offset: every reader's centring is free
-            unid += sum(n for n, _ in readers)
-    return params, unid
+        _add(out, "norms", params, 0)
+        return
+    # gain transfer (d); a LayerNorm bias is redundant with its readers' offsets (d)
+    _add(out, "norms", params, d + (d if layer and st.norm_bias else 0))
+    if layer:  # each reader column has one invisible direction; a biased norm's offset
+        # moves with unbiased readers' columns, so only biased readers' count then
+        cols = sum(n for n, b in readers if b or not st.norm_bias)
+        _add(out, "centring", 0, cols)
 
 
 def count_structure(st: Structure) -> WholeCount:
@@ -125,10 +127,10 @@ def count_structure(st: Structure) -> WholeCount:
         _add(out, "attention", c.total, seen.unidentified, c.near_unidentified)
         attn_r, mlp_r = _readers(s, st)
         if st.layout == "parallel" and st.shared_norm:
-            _add(out, "norms", *_norm(st, attn_r + mlp_r))
+            _norm(st, attn_r + mlp_r, out)
         else:
-            _add(out, "norms", *_norm(st, attn_r))
-            _add(out, "norms", *_norm(st, mlp_r))
+            _norm(st, attn_r, out)
+            _norm(st, mlp_r, out)
         n_mats = 3 if st.mlp == "gated" else 2
         bias = (st.d_ff * (n_mats - 1) + d) if st.mlp_bias else 0
         _add(out, "mlp", n_mats * d * st.d_ff + bias,
@@ -138,7 +140,7 @@ def count_structure(st: Structure) -> WholeCount:
                  + st.d_ff + st.mlp_bias)
         if st.layout == "parallel" and s.has_bias("o") and st.mlp_bias:
             _add(out, "residual", 0, w)  # two output biases added to one stream
-    _add(out, "norms", *_norm(st, [(V, False)] if free_unembed else None))  # final norm
+    _norm(st, [(V, False)] if free_unembed else None, out)  # the final norm
     # residual stream: rotations (untied LM only), scale (near: the norms' eps sees it)
     _add(out, "residual", 0, w * (w - 1) // 2 if free_unembed else 0)
     _add(out, "residual", 0, *((1, 0) if st.eps == 0 else (0, 1)))
