@@ -195,6 +195,10 @@ class Adapter:
         d = int(cfg(c, "hidden_size", "n_embd"))
         return int(cfg(c, "intermediate_size", "n_inner", "ffn_hidden_size", default=4 * d))
 
+    def unsupported_whole(self, c: Config) -> str | None:
+        """Why the whole model cannot be counted (None when it can)."""
+        return None
+
     def tied(self, c: Config) -> bool:
         return bool(cfg(c, "tie_word_embeddings", default=self.tie_default))
 

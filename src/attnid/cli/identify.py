@@ -145,7 +145,7 @@ def report_cmd(
         if json_out:
             emit_json(rows)
         else:
-            _print_rows(rows, "attention identification across model families")
+            _print_rows(rows, "attention and whole-model identification across model families")
         return
     if model is None:
         raise AttnidError("give a MODEL (config.json, model directory or bundled name) or --all")
@@ -159,6 +159,7 @@ def report_cmd(
                    f"parameters {rep['attention']['total']:,}\n  {rep['note']}\n  reduced layer "
                    f"{nr['reduced_config']}: {nr['unidentified']} of {nr['params']} parameters "
                    f"unidentified, {nr['near_unidentified']} near-unidentified")
+        _echo_whole(rep)
         return
     from rich.console import Console
 
@@ -171,7 +172,33 @@ def report_cmd(
     console.print(f"all {rep['n_layers']} layers: attention parameters {a['total']:,}, unidentified "
                   f"{a['unidentified']:,} (ratio {a['ratio']:.5f}), near-unidentified "
                   f"{a['near_unidentified']:,}")
-    console.print(f"QK-unidentified per layer: {rep['qk_unidentified_per_layer']:,} "
-                  f"(with MHA instead: {rep['qk_unidentified_per_layer_if_mha']:,}); counted as in "
-                  f"the paper, without RoPE: {rep['qk_unidentified_per_layer_without_rope']:,} "
-                  f"(MHA: {rep['qk_unidentified_per_layer_without_rope_if_mha']:,})")
+    comps = rep["layers"][0]["components"]
+    qk_other = sum(v["unidentified"] for k, v in comps.items()
+                   if k in ("key_bias_translation", "qk_norm_gain_transfer"))
+    qk_near = sum(v["near_unidentified"] for k, v in comps.items()
+                  if k in ("qk_gauge", "key_bias_translation", "qk_norm_gain_transfer"))
+    console.print(f"QK gauge (query/key weights), exactly unidentified per layer: "
+                  f"{rep['qk_unidentified_per_layer']:,} (with MHA instead: "
+                  f"{rep['qk_unidentified_per_layer_if_mha']:,}); counted as in the paper, without "
+                  f"RoPE: {rep['qk_unidentified_per_layer_without_rope']:,} (MHA: "
+                  f"{rep['qk_unidentified_per_layer_without_rope_if_mha']:,}); the rest of the QK "
+                  f"side per layer: {qk_other:,} unidentified (key-bias translation, QK-norm gain "
+                  f"transfer), {qk_near:,} near-unidentified")
+    if rep.get("layers_identical"):
+        console.print(f"all {rep['n_layers']} layers are identical")
+    _echo_whole(rep)
+
+
+def _echo_whole(rep: dict) -> None:
+    w = rep.get("whole_model")
+    if not w:
+        return
+    if w["unidentified"] is None:
+        typer.echo(f"whole model: {w['method']}")
+        return
+    typer.echo(f"whole model: {w['total']:,} parameters, unidentified {w['unidentified']:,} "
+               f"(ratio {w['ratio']:.3g}), near-unidentified {w['near_unidentified']:,}; identified "
+               f"{w['identified']:,} [{w['method']}]")
+    for k, v in w["components"].items():
+        typer.echo(f"  {k:<24} params {v['params']:>16,}  unidentified {v['unidentified']:>12,}"
+                   f"  near {v['near_unidentified']:,}")

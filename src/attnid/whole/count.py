@@ -177,6 +177,11 @@ def count_model(config: dict[str, Any] | str) -> WholeCount:
     if isinstance(config, str):
         _, config = load_config(config)
     adapter = adapter_for(config)
+    why = adapter.unsupported_whole(config)
+    if why:
+        from attnid.errors import AttnidError
+
+        raise AttnidError(why)
     st = adapter.whole(config)
     if adapter.closed_form and st.layout != "post":
         return count_structure(st)

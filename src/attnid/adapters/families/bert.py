@@ -61,3 +61,7 @@ class Roberta(Bert):
     architectures = ("RobertaModel", "RobertaForMaskedLM", "RobertaForSequenceClassification")
     model_type = "roberta"
     family = "RoBERTa"
+
+    def unsupported_whole(self, c: Config) -> str | None:
+        return ("RoBERTa's positions start after padding_idx (rows the inputs never reach): "
+                "no whole-model count yet")
