@@ -7,6 +7,8 @@ from attnid.attention import Attention
 from attnid.errors import AttnidError
 from attnid.spec import AttentionSpec
 from attnid.theory import Component, Count, count
+from attnid.whole.count import WholeCount
+from attnid.whole.model import count_model
 
 __all__ = [
     "ArbiterResult",
@@ -16,7 +18,9 @@ __all__ = [
     "Component",
     "Count",
     "Verification",
+    "WholeCount",
     "count",
+    "count_model",
     "jacobian_rank",
     "randomize_",
     "verify",

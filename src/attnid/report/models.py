@@ -37,7 +37,7 @@ def whole_model(config: dict[str, Any]) -> dict[str, Any]:
     """``count_model`` as a dict (closed form, or numeric on a reduced config, said in
     ``method``)."""
     from attnid.errors import AttnidError
-    from attnid.whole.count import count_model
+    from attnid.whole.model import count_model
 
     try:
         return count_model(config).to_dict()

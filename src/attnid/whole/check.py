@@ -24,7 +24,13 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from attnid.adapters.base import build_hf_model
+from attnid.adapters.config import load_config
+from attnid.adapters.registry import adapter_for
 from attnid.arbiter.rank import ArbiterResult, jacobian_rank, randomize_
+from attnid.errors import AttnidError
+from attnid.theory import Component
+from attnid.whole.count import WholeCount, count_structure
 
 _F32 = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -54,8 +60,6 @@ def function_kind(config: dict[str, Any]) -> str:
 def tiny_model(config: dict[str, Any], seed: int = 0) -> nn.Module:
     """The architecture's own class at ``config``: float64, eval, eager attention, random
     generic weights, no padding rows."""
-    from attnid.adapters.base import build_hf_model
-
     model = build_hf_model(config, head=True)
     for m in model.modules():
         if isinstance(m, nn.Embedding):
@@ -224,9 +228,6 @@ def reduced_whole_config(adapter: Any, config: dict[str, Any]) -> dict[str, Any]
 
 def numeric_whole(adapter: Any, config: dict[str, Any], *, seed: int = 0):
     """The arbiter's whole-model count of a reduced config (families without a closed form)."""
-    from attnid.theory import Component
-    from attnid.whole.count import WholeCount
-
     small = reduced_whole_config(adapter, config)
     found = arbiter_whole(small, seed=seed)
     r = found.result
@@ -276,9 +277,6 @@ class WholeVerification:
 def verify_whole(config: dict[str, Any], label: str, *, seed: int = 0, confirm: bool = True
                  ) -> WholeVerification:
     """Closed form against the whole-model arbiter on ``config`` (already tiny)."""
-    from attnid.adapters.registry import adapter_for
-    from attnid.whole.count import count_structure
-
     theory = count_structure(adapter_for(config).whole(config))
     first = arbiter_whole(config, seed=seed)
     second = arbiter_whole(config, seed=seed + 1,
@@ -288,10 +286,6 @@ def verify_whole(config: dict[str, Any], label: str, *, seed: int = 0, confirm: 
 
 def verify_whole_hf_config(model: str, *, seed: int = 0, confirm: bool = True) -> WholeVerification:
     """``attnid verify --hf-config MODEL --whole``: the whole reduced model."""
-    from attnid.adapters.config import load_config
-    from attnid.adapters.registry import adapter_for
-    from attnid.errors import AttnidError
-
     name, config = load_config(model)
     adapter = adapter_for(config)
     if not adapter.closed_form or adapter.whole(config).layout == "post":

@@ -157,37 +157,3 @@ def count_structure(st: Structure) -> WholeCount:
         _add(out, "head", V * d, d)  # logits shifted by a constant across the vocabulary
     return WholeCount(st, {k: Component(*v) for k, v in out.items()})
 
-
-def count_model(config: dict[str, Any] | str) -> WholeCount:
-    """Whole-model counts of a config (a dict, a config.json path, a model directory or a
-    bundled name), at its own sizes.
-
-    Families with a closed form (GPT-2, Llama/Mistral, Qwen2/Qwen3, Gemma, GPT-NeoX, Falcon,
-    Phi-3) are counted exactly; the others (post-LN BERT/RoBERTa, OLMo2, DeepSeek) are counted
-    by the whole-model arbiter on a reduced config of the same structure (this needs
-    transformers), and ``method`` says so.
-
-    >>> c = count_model("Llama-2-7b")
-    >>> c.total, c.unidentified
-    (6738415616, 25917440)
-    """
-    from attnid.adapters.config import load_config
-    from attnid.adapters.registry import adapter_for
-
-    if isinstance(config, str):
-        _, config = load_config(config)
-    adapter = adapter_for(config)
-    why = adapter.unsupported_whole(config)
-    if why:
-        from attnid.errors import AttnidError
-
-        raise AttnidError(why)
-    st = adapter.whole(config)
-    if adapter.closed_form and st.layout != "post":
-        return count_structure(st)
-    from attnid.errors import require
-
-    require("transformers", "hf")
-    from attnid.whole.check import numeric_whole
-
-    return numeric_whole(adapter, config)
