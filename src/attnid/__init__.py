@@ -16,6 +16,8 @@ if TYPE_CHECKING:
     from attnid.errors import AttnidError
     from attnid.spec import AttentionSpec
     from attnid.theory import Component, Count, count
+    from attnid.whole.count import WholeCount
+    from attnid.whole.model import count_model
 
 _HOME = {
     "ArbiterResult": "attnid.arbiter",
@@ -29,6 +31,8 @@ _HOME = {
     "Component": "attnid.theory",
     "Count": "attnid.theory",
     "count": "attnid.theory",
+    "WholeCount": "attnid.whole.count",
+    "count_model": "attnid.whole.model",
 }
 __all__ = [
     "ArbiterResult",
@@ -38,7 +42,9 @@ __all__ = [
     "Component",
     "Count",
     "Verification",
+    "WholeCount",
     "count",
+    "count_model",
     "jacobian_rank",
     "randomize_",
     "verify",

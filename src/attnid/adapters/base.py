@@ -17,6 +17,7 @@ from torch import nn
 from attnid.errors import AttnidError
 from attnid.spec import AttentionSpec
 from attnid.weights import AttentionWeights
+from attnid.whole.structure import Structure, function_kind
 
 Config = dict[str, Any]
 HFForward = Callable[[nn.Module, torch.Tensor], torch.Tensor]
@@ -171,11 +172,35 @@ class Adapter:
     # ---- Hugging Face's own attention module ------------------------------------------
     def hf_attention(self, c: Config) -> tuple[nn.Module, HFForward]:
         """(module holding exactly the attention parameters, forward(module, x) -> output)."""
-        return self.attention_of(build_hf_model(self.model_type, c))
+        return self.attention_of(build_hf_model({**c, "model_type": self.model_type}))
 
     def attention_of(self, model: nn.Module) -> tuple[nn.Module, HFForward]:
         """The first layer's attention of a built transformers model, and how to call it."""
         return _Holder(find_first(model, "Attention"), find_rotary(model)), _rotary_forward
+
+    # ---- the whole model (attnid.whole) ------------------------------------------------
+    tie_default: ClassVar[bool] = False  # tie_word_embeddings when the config does not say
+
+    def whole(self, c: Config) -> Structure:
+        """The whole model's layout. Default: pre-LN RMSNorm, gated MLP, rotary (Llama)."""
+        return Structure(
+            family=self.family, function=function_kind(c), d_model=int(cfg(c, "hidden_size", "n_embd")),
+            vocab=int(c["vocab_size"]), specs=tuple(self.specs(c)), norm="rms", norm_bias=False,
+            eps=float(cfg(c, "rms_norm_eps", "layer_norm_eps", default=1e-6)), layout="pre",
+            shared_norm=False, mlp="gated", d_ff=self.d_ff(c),
+            mlp_bias=bool(cfg(c, "mlp_bias", default=False)), tied=self.tied(c), positions=0,
+            token_types=0, mlm_head=False, pooler=False)
+
+    def d_ff(self, c: Config) -> int:
+        d = int(cfg(c, "hidden_size", "n_embd"))
+        return int(cfg(c, "intermediate_size", "n_inner", "ffn_hidden_size", default=4 * d))
+
+    def unsupported_whole(self, c: Config) -> str | None:
+        """Why the whole model cannot be counted (None when it can)."""
+        return None
+
+    def tied(self, c: Config) -> bool:
+        return bool(cfg(c, "tie_word_embeddings", default=self.tie_default))
 
     def unsupported(self, c: Config) -> str | None:
         """Why this config cannot be handled (None when it can)."""
@@ -197,13 +222,37 @@ def _rotary_forward(h: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
-def build_hf_model(model_type: str, c: Config) -> nn.Module:
-    """A transformers model from a config dict, random weights, eager attention, eval mode, float64."""
-    from transformers import AutoConfig, AutoModel
+def hf_config(c: Config) -> Any:
+    """A transformers config object from a config dict (its ``model_type`` picks the class)."""
+    from transformers import AutoConfig
 
-    conf = AutoConfig.for_model(model_type, **{k: v for k, v in c.items() if k != "model_type"})
+    if not c.get("model_type"):
+        raise AttnidError("the config has no 'model_type'; transformers cannot build it")
+    return AutoConfig.for_model(c["model_type"], **{k: v for k, v in c.items() if k != "model_type"})
+
+
+def hf_model_class(c: Config, *, head: bool = True) -> Any:
+    """The transformers class of a config: the one place an architecture name becomes a class.
+
+    ``head=True``: the first name in ``architectures`` that transformers defines (the model
+    with its head); otherwise, or with ``head=False``, ``AutoModel`` (the bare model).
+    """
+    import transformers
+
+    if head:
+        for arch in c.get("architectures") or []:
+            cls = getattr(transformers, arch, None)
+            if isinstance(cls, type):
+                return cls
+    return transformers.AutoModel
+
+
+def build_hf_model(c: Config, *, head: bool = False) -> nn.Module:
+    """A transformers model from a config dict, random weights, eager attention, eval mode, float64."""
+    conf = hf_config(c)
     conf._attn_implementation = "eager"
-    model = AutoModel.from_config(conf)
+    cls = hf_model_class(c, head=head)
+    model = cls(conf) if cls.__name__ != "AutoModel" else cls.from_config(conf)
     return model.double().eval()
 
 

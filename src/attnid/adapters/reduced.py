@@ -35,8 +35,12 @@ def verify_hf_config(model: str, *, seed: int = 0, confirm: bool = True) -> Veri
 
     kwargs: dict[str, Any] = dict(forward=forward, d_model=spec.d_model,
                                   rtol=EXACT_RTOL[adapter.working_precision])
-    return verify_module(module, count(spec), label=f"{name} ({type(module).__name__} of "
-                         f"{adapter.family}, reduced: {spec.describe()})", seed=seed,
+    full = adapter.spec(config)
+    changed = "" if full.group_size == spec.group_size else (
+        f"; group size {full.group_size} reduced to {spec.group_size}")
+    arch = (config.get("architectures") or [adapter.model_type])[0]
+    return verify_module(module, count(spec), label=f"{name} (attention of {arch}, reduced: "
+                         f"{spec.describe()}{changed})", seed=seed,
                          confirm=confirm, without_eps=without_eps, **kwargs)
 
 def numeric_hf_count(adapter: Any, config: dict[str, Any], *, seed: int = 0) -> dict[str, Any]:

@@ -28,8 +28,14 @@ def adapter_for(config: Config) -> Adapter:
     else:
         key = f"model_type:{config.get('model_type')}"
         if key not in _REGISTRY:
-            names = ", ".join(config.get("architectures") or [str(config.get("model_type"))])
-            raise AttnidError(f"unsupported architecture {names}; supported: {', '.join(supported())}")
+            types = ", ".join(sorted(k.split(":", 1)[1] for k in _REGISTRY if k.startswith("model_type:")))
+            if not config.get("architectures"):
+                raise AttnidError(
+                    "the config has no 'architectures' field and its model_type "
+                    f"{config.get('model_type')!r} is not known; known model_types: {types}")
+            names = ", ".join(config["architectures"])
+            raise AttnidError(f"unsupported architecture {names}; supported: {', '.join(supported())} "
+                              f"(model_types: {types})")
         adapter = _REGISTRY[key]()
     why = adapter.unsupported(config)
     if why:

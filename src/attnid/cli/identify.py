@@ -61,11 +61,22 @@ def verify_cmd(
         "(default: only when the first count disagrees or its spectral gap is narrow).")] = None,
     hf_config: Annotated[str | None, typer.Option(
         "--hf-config", help="Check a Hugging Face attention class, reduced from this config.")] = None,
+    whole: Annotated[bool, typer.Option(
+        "--whole", help="With --hf-config: every parameter of the reduced model, not only one "
+        "attention layer.")] = False,
     json_out: Json = False,
 ) -> None:
     """Arbiter (Jacobian rank, float64) against the closed form; exit 1 on disagreement."""
+    if whole:
+        if hf_config is None:
+            raise AttnidError("--whole needs --hf-config MODEL")
+        _verify_whole(hf_config, seed, confirm, json_out)
+        return
     if hf_config is not None:
         from attnid.adapters.reduced import verify_hf_config
+        from attnid.errors import require
+
+        require("transformers", "hf")
 
         result = verify_hf_config(hf_config, seed=seed, confirm=confirm)
     else:
@@ -94,6 +105,32 @@ def verify_cmd(
     raise typer.Exit(0 if result.agree else 1)
 
 
+def _verify_whole(hf_config: str, seed: int, confirm: bool, json_out: bool) -> None:
+    from attnid.errors import require
+
+    require("transformers", "hf")
+    from attnid.whole.check import verify_whole_hf_config
+
+    result = verify_whole_hf_config(hf_config, seed=seed, confirm=confirm)
+    d = result.to_dict()
+    if json_out:
+        emit_json(d)
+    else:
+        gap = d["spectral_gap"]
+        typer.echo(
+            f"{'AGREE' if result.agree else 'DISAGREE'}  {d['model']}\n"
+            f"  function: {d['function']}   parameters {d['total']} (theory {d['total_theory']})   "
+            f"unidentified: theory {d['unidentified_theory']}, arbiter {d['unidentified_numeric']}   "
+            f"near-unidentified: theory {d['near_unidentified_theory']}, arbiter "
+            f"{d['near_unidentified_numeric']}\n"
+            f"  spectral gap {'n/a' if gap is None else f'{gap:.2e}'}   stable across seeds: "
+            f"{d['stable']}   {d['seconds']:.2f}s")
+        for k, v in d["components"].items():
+            typer.echo(f"    {k:<12} params {v['params']:>8}  unidentified {v['unidentified']:>6}"
+                       f"  near {v['near_unidentified']}")
+    raise typer.Exit(0 if result.agree else 1)
+
+
 @app.command("report")
 def report_cmd(
     model: Annotated[str | None, typer.Argument(
@@ -109,7 +146,7 @@ def report_cmd(
         if json_out:
             emit_json(rows)
         else:
-            _print_rows(rows, "attention identification across model families")
+            _print_rows(rows, "attention and whole-model identification across model families")
         return
     if model is None:
         raise AttnidError("give a MODEL (config.json, model directory or bundled name) or --all")
@@ -123,6 +160,7 @@ def report_cmd(
                    f"parameters {rep['attention']['total']:,}\n  {rep['note']}\n  reduced layer "
                    f"{nr['reduced_config']}: {nr['unidentified']} of {nr['params']} parameters "
                    f"unidentified, {nr['near_unidentified']} near-unidentified")
+        _echo_whole(rep)
         return
     from rich.console import Console
 
@@ -135,7 +173,33 @@ def report_cmd(
     console.print(f"all {rep['n_layers']} layers: attention parameters {a['total']:,}, unidentified "
                   f"{a['unidentified']:,} (ratio {a['ratio']:.5f}), near-unidentified "
                   f"{a['near_unidentified']:,}")
-    console.print(f"QK-unidentified per layer: {rep['qk_unidentified_per_layer']:,} "
-                  f"(with MHA instead: {rep['qk_unidentified_per_layer_if_mha']:,}); counted as in "
-                  f"the paper, without RoPE: {rep['qk_unidentified_per_layer_without_rope']:,} "
-                  f"(MHA: {rep['qk_unidentified_per_layer_without_rope_if_mha']:,})")
+    comps = rep["layers"][0]["components"]
+    qk_other = sum(v["unidentified"] for k, v in comps.items()
+                   if k in ("key_bias_translation", "qk_norm_gain_transfer"))
+    qk_near = sum(v["near_unidentified"] for k, v in comps.items()
+                  if k in ("qk_gauge", "key_bias_translation", "qk_norm_gain_transfer"))
+    console.print(f"QK gauge (query/key weights), exactly unidentified per layer: "
+                  f"{rep['qk_unidentified_per_layer']:,} (with MHA instead: "
+                  f"{rep['qk_unidentified_per_layer_if_mha']:,}); counted as in the paper, without "
+                  f"RoPE: {rep['qk_unidentified_per_layer_without_rope']:,} (MHA: "
+                  f"{rep['qk_unidentified_per_layer_without_rope_if_mha']:,}); the rest of the QK "
+                  f"side per layer: {qk_other:,} unidentified (key-bias translation, QK-norm gain "
+                  f"transfer), {qk_near:,} near-unidentified")
+    if rep.get("layers_identical"):
+        console.print(f"all {rep['n_layers']} layers are identical")
+    _echo_whole(rep)
+
+
+def _echo_whole(rep: dict) -> None:
+    w = rep.get("whole_model")
+    if not w:
+        return
+    if w["unidentified"] is None:
+        typer.echo(f"whole model: {w['method']}")
+        return
+    typer.echo(f"whole model: {w['total']:,} parameters, unidentified {w['unidentified']:,} "
+               f"(ratio {w['ratio']:.3g}), near-unidentified {w['near_unidentified']:,}; identified "
+               f"{w['identified']:,} [{w['method']}]")
+    for k, v in w["components"].items():
+        typer.echo(f"  {k:<24} params {v['params']:>16,}  unidentified {v['unidentified']:>12,}"
+                   f"  near {v['near_unidentified']:,}")

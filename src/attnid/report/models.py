@@ -11,17 +11,17 @@ from attnid.theory import count
 
 
 def model_params(config: dict[str, Any]) -> int | None:
-    """The whole model's parameter count, from its config (built on the meta device: no memory)."""
+    """The whole model's parameter count, from its config (built on the meta device: no
+    memory; tied weights counted once)."""
     import torch
-    import transformers
+
+    from attnid.adapters.base import hf_config, hf_model_class
 
     try:
-        conf = transformers.AutoConfig.for_model(config["model_type"],
-                                                 **{k: v for k, v in config.items() if k != "model_type"})
-        arch = (config.get("architectures") or [None])[0]
-        cls = getattr(transformers, arch, None) if arch else None
+        conf = hf_config(config)
+        cls = hf_model_class(config)
         with torch.device("meta"):
-            model = cls(conf) if cls is not None else transformers.AutoModel.from_config(conf)
+            model = cls(conf) if cls.__name__ != "AutoModel" else cls.from_config(conf)
         seen: set[int] = set()
         total = 0
         for p in model.parameters():
@@ -31,6 +31,25 @@ def model_params(config: dict[str, Any]) -> int | None:
         return total
     except Exception:  # a config transformers cannot build is still countable for attention
         return None
+
+
+def whole_model(config: dict[str, Any]) -> dict[str, Any]:
+    """``count_model`` as a dict (closed form, or numeric on a reduced config, said in
+    ``method``)."""
+    from attnid.errors import AttnidError
+    from attnid.whole.model import count_model
+
+    try:
+        return count_model(config).to_dict()
+    except AttnidError as e:  # said in the report, not fatal for the attention counts
+        return {"total": model_params(config), "identified": None, "unidentified": None,
+                "near_unidentified": None, "ratio": None, "components": {},
+                "method": f"not counted: {e}"}
+
+
+def _layers(per_layer: list[dict[str, Any]]) -> dict[str, Any]:
+    same = all(x == per_layer[0] for x in per_layer)
+    return {"layers": per_layer, "layers_identical": same}
 
 
 def _numeric_report(name: str, config: dict[str, Any], adapter: Any, with_params: bool
@@ -43,8 +62,8 @@ def _numeric_report(name: str, config: dict[str, Any], adapter: Any, with_params
     from attnid.adapters.reduced import numeric_hf_count
 
     with torch.device("meta"):
-        attn = find_first(build_hf_model(adapter.model_type, dict(config, num_hidden_layers=1)),
-                          "Attention")
+        attn = find_first(build_hf_model({**config, "model_type": adapter.model_type,
+                                          "num_hidden_layers": 1}), "Attention")
     per_layer = sum(p.numel() for p in attn.parameters())
     n = adapter.n_layers(config)
     return {
@@ -56,8 +75,9 @@ def _numeric_report(name: str, config: dict[str, Any], adapter: Any, with_params
                       "near_unidentified": None},
         "numeric_reduced": numeric_hf_count(adapter, config),
         "model_params": model_params(config) if with_params else None,
-        "layers": [{"total": per_layer, "unidentified": None, "near_unidentified": None,
-                    "method": "numeric on a reduced config only"}] * n,
+        "whole_model": whole_model(config) if with_params else None,
+        **_layers([{"total": per_layer, "unidentified": None, "near_unidentified": None,
+                    "method": "numeric on a reduced config only"}] * n),
     }
 
 
@@ -92,7 +112,8 @@ def model_report(model: str, *, with_params: bool = True) -> dict[str, Any]:
         "qk_unidentified_per_layer_without_rope": qk_null(plain),
         "qk_unidentified_per_layer_without_rope_if_mha": qk_null(replace(plain, n_kv_heads=first.n_heads)),
         "model_params": model_params(config) if with_params else None,
-        "layers": [c.to_dict() for c in layers],
+        "whole_model": whole_model(config) if with_params else None,
+        **_layers([c.to_dict() for c in layers]),
     }
 
 
@@ -100,14 +121,32 @@ def all_reports() -> list[dict[str, Any]]:
     return [model_report(n) for n in bundled()]
 
 
+def _whole_cells(r: dict[str, Any]) -> dict[str, Any]:
+    w = r.get("whole_model")
+    if not w:
+        return {"whole_unidentified": None, "whole_ratio": None}
+    if w["unidentified"] is None:
+        return {"whole_unidentified": None, "whole_ratio": None}
+    if w["method"] != "closed form":
+        return {"whole_unidentified": f"{w['unidentified']} of {w['total']} (reduced)",
+                "whole_ratio": None}
+    return {"whole_unidentified": w["unidentified"], "whole_ratio": float(f"{w['ratio']:.3g}")}
+
+
 def summary_row(r: dict[str, Any]) -> dict[str, Any]:
+    """One row of ``report --all``: the same columns for every model (None where a number
+    is not known in closed form)."""
     if not r["closed_form"]:
         nr = r["numeric_reduced"]
         return {"model": r["model"], "family": r["family"], "layers": r["n_layers"],
+                "d_model": None, "heads": None, "kv_heads": None, "head_dim": None, "bias": None,
+                "rope": None, "qk_norm": None,
                 "attention_params": r["attention"]["total"], "unidentified": None, "ratio": None,
+                "qk_unid_per_layer": None, "qk_unid_per_layer_if_mha": None,
+                "qk_unid_no_rope": None, "qk_unid_no_rope_if_mha": None,
                 "numeric_reduced":
                     f"{nr['unidentified']} of {nr['params']} (+{nr['near_unidentified']} near)",
-                "model_params": r["model_params"]}
+                "model_params": r["model_params"], **_whole_cells(r)}
     s = r["spec"]
     return {
         "model": r["model"], "family": r["family"], "layers": r["n_layers"],
@@ -120,5 +159,6 @@ def summary_row(r: dict[str, Any]) -> dict[str, Any]:
         "qk_unid_per_layer_if_mha": r["qk_unidentified_per_layer_if_mha"],
         "qk_unid_no_rope": r["qk_unidentified_per_layer_without_rope"],
         "qk_unid_no_rope_if_mha": r["qk_unidentified_per_layer_without_rope_if_mha"],
-        "model_params": r["model_params"],
+        "numeric_reduced": None,
+        "model_params": r["model_params"], **_whole_cells(r),
     }

@@ -1,9 +1,12 @@
 """BERT and RoBERTa: separate query/key/value, output ``dense``; all four biases; post-LN."""
 
+from dataclasses import replace
+
 from torch import nn
 
-from attnid.adapters.base import Adapter, Config, find_first
+from attnid.adapters.base import Adapter, Config, cfg, find_first
 from attnid.adapters.registry import register
+from attnid.whole.structure import Structure
 
 
 class _SelfAttentionAndDense(nn.Module):
@@ -22,6 +25,7 @@ class Bert(Adapter):
     architectures = ("BertModel", "BertForMaskedLM", "BertForSequenceClassification", "BertForPreTraining")
     model_type = "bert"
     family = "BERT"
+    tie_default = True
     layer_prefix = "encoder.layer.{i}."
     q, k, v = "attention.self.query", "attention.self.key", "attention.self.value"
     o = "attention.output.dense"
@@ -36,6 +40,16 @@ class Bert(Adapter):
         return dict(c, hidden_size=8, num_attention_heads=2, intermediate_size=16, num_hidden_layers=1,
                     vocab_size=32, max_position_embeddings=64, pad_token_id=None)
 
+    def whole(self, c: Config) -> Structure:
+        arch = (c.get("architectures") or [""])[0]
+        act = str(cfg(c, "hidden_act", default="gelu"))
+        return replace(super().whole(c), norm="layer", norm_bias=True,
+                       eps=float(cfg(c, "layer_norm_eps", default=1e-12)), layout="post",
+                       mlp="relu" if act == "relu" else "gelu", mlp_bias=True,
+                       positions=int(cfg(c, "max_position_embeddings", default=512)),
+                       token_types=int(cfg(c, "type_vocab_size", default=2)),
+                       mlm_head=arch.endswith("ForMaskedLM"), pooler=arch.endswith("Model"))
+
     def attention_of(self, model):
         attn = find_first(model, "SelfAttention")
         dense = find_first(model, "SelfOutput").dense
@@ -47,3 +61,7 @@ class Roberta(Bert):
     architectures = ("RobertaModel", "RobertaForMaskedLM", "RobertaForSequenceClassification")
     model_type = "roberta"
     family = "RoBERTa"
+
+    def unsupported_whole(self, c: Config) -> str | None:
+        return ("RoBERTa's positions start after padding_idx (rows the inputs never reach): "
+                "no whole-model count yet")

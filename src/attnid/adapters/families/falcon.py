@@ -1,6 +1,7 @@
 """Falcon: fused ``query_key_value``: multi-query (7B) or the grouped "new decoder" layout."""
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 import torch
 
@@ -8,6 +9,7 @@ from attnid.adapters.base import Adapter, Config, cfg, fused_names, merge_heads_
 from attnid.adapters.registry import register
 from attnid.spec import AttentionSpec
 from attnid.weights import AttentionWeights
+from attnid.whole.structure import Structure
 
 
 @register
@@ -16,6 +18,7 @@ class Falcon(Adapter):
     model_type = "falcon"
     family = "Falcon"
     layer_prefix = "h.{i}."
+    tie_default = True
 
     def n_layers(self, c: Config) -> int:
         return int(cfg(c, "num_hidden_layers", "n_layer"))
@@ -46,6 +49,17 @@ class Falcon(Adapter):
         if "num_kv_heads" in c or cfg(c, "new_decoder_architecture", default=False):
             small["num_kv_heads"] = G if s.n_kv_heads != s.n_heads else H
         return small
+
+    def whole(self, c: Config) -> Structure:
+        parallel = bool(cfg(c, "parallel_attn", default=True)) or bool(
+            cfg(c, "new_decoder_architecture", default=False))
+        # the new decoder layout has ln_attn and ln_mlp unless num_ln_in_parallel_attn == 1
+        shared = parallel and (not cfg(c, "new_decoder_architecture", default=False)
+                               or cfg(c, "num_ln_in_parallel_attn", default=2) == 1)
+        return replace(super().whole(c), norm="layer", norm_bias=True,
+                       eps=float(cfg(c, "layer_norm_epsilon", default=1e-5)),
+                       layout="parallel" if parallel else "pre", shared_norm=shared, mlp="gelu",
+                       mlp_bias=bool(cfg(c, "bias", default=False)))
 
     def names(self, i: int, spec: AttentionSpec) -> list[str]:
         return fused_names(self.layer_prefix.format(i=i), "self_attention", bool(spec.bias))

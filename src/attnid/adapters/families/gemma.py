@@ -9,3 +9,4 @@ class Gemma(Adapter):
     architectures = ("GemmaForCausalLM", "GemmaModel")
     model_type = "gemma"
     family = "Gemma"
+    tie_default = True

@@ -1,13 +1,15 @@
 """GPT-2: Conv1D layers (weights stored [in, out]) with one fused ``c_attn``; all four biases."""
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 import torch
 
-from attnid.adapters.base import Adapter, Config, find_first
+from attnid.adapters.base import Adapter, Config, cfg, find_first
 from attnid.adapters.registry import register
 from attnid.spec import AttentionSpec
 from attnid.weights import AttentionWeights
+from attnid.whole.structure import Structure
 
 
 @register
@@ -16,6 +18,7 @@ class GPT2(Adapter):
     model_type = "gpt2"
     family = "GPT-2"
     layer_prefix = "h.{i}."
+    tie_default = True
 
     def bias(self, c: Config) -> str:
         return "qkvo"
@@ -26,6 +29,13 @@ class GPT2(Adapter):
     def reduce(self, c: Config) -> Config:
         return dict(c, n_embd=8, n_head=2, n_layer=1, vocab_size=32, n_positions=64, n_inner=16,
                     bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+    def whole(self, c: Config) -> Structure:
+        act = str(cfg(c, "activation_function", default="gelu_new"))
+        return replace(super().whole(c), norm="layer", norm_bias=True,
+                       eps=float(cfg(c, "layer_norm_epsilon", default=1e-5)),
+                       mlp="relu" if act == "relu" else "gelu", mlp_bias=True,
+                       positions=int(cfg(c, "n_positions", "max_position_embeddings")))
 
     def names(self, i: int, spec: AttentionSpec) -> list[str]:
         p = self.layer_prefix.format(i=i)

@@ -1,6 +1,7 @@
 """GPT-NeoX / Pythia: fused ``query_key_value`` laid out per head ([H, 3, dk]), partial rotary."""
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 import torch
 
@@ -16,6 +17,7 @@ from attnid.adapters.base import (
 from attnid.adapters.registry import register
 from attnid.spec import AttentionSpec
 from attnid.weights import AttentionWeights
+from attnid.whole.structure import Structure
 
 
 @register
@@ -46,6 +48,13 @@ class GPTNeoX(Adapter):
         small.pop("num_key_value_heads", None)
         small.pop("head_dim", None)
         return small
+
+    def whole(self, c: Config) -> Structure:
+        act = str(cfg(c, "hidden_act", default="gelu"))
+        return replace(super().whole(c), norm="layer", norm_bias=True,
+                       eps=float(cfg(c, "layer_norm_eps", default=1e-5)),
+                       layout="parallel" if cfg(c, "use_parallel_residual", default=True) else "pre",
+                       mlp="relu" if act == "relu" else "gelu", mlp_bias=True)
 
     def names(self, i: int, spec: AttentionSpec) -> list[str]:
         return fused_names(self.layer_prefix.format(i=i), "attention", bool(spec.bias))

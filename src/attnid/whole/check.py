@@ -1,0 +1,298 @@
+"""The whole-model arbiter: the Jacobian rank of a Hugging Face model's function w.r.t. every
+parameter, on a tiny config, computed in float64 throughout.
+
+The function is the one the architecture names (``architectures`` in config.json):
+``...ForCausalLM`` / ``...LMHeadModel`` / ``...ForMaskedLM``: log-probabilities over the
+vocabulary at every position, i.e. logits centred over the vocabulary (the kernel of
+log-softmax's Jacobian is the constant shift, which the centring quotients out); a bare
+``...Model``: the last hidden states. Inputs: every token at every position of sequences as
+long as the learned position table (or ``seq_len`` without one), every token type.
+
+Traps handled here: Hugging Face computes RMSNorm, softmax and some attention scores in
+float32 even inside a float64 model; :class:`Float64Mode` keeps every such cast in float64 (the
+same function, without the 1e-7 rounding that hides exact symmetries). An embedding's
+``padding_idx`` zeroes its row's gradient, so it is cleared.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from attnid.adapters.base import build_hf_model
+from attnid.adapters.config import load_config
+from attnid.adapters.registry import adapter_for
+from attnid.arbiter.rank import ArbiterResult, jacobian_rank, randomize_
+from attnid.errors import AttnidError
+from attnid.theory import Component
+from attnid.whole.count import WholeCount, count_structure
+
+_F32 = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class Float64Mode(TorchFunctionMode):
+    """Every cast to a lower floating precision (``.float()``, ``.to(float32)``, ``dtype=``)
+    stays float64: the model's own function, computed without rounding."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func in (torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16):
+            return args[0].to(torch.float64)
+        if kwargs.get("dtype") in _F32:
+            kwargs["dtype"] = torch.float64
+        args = tuple(torch.float64 if isinstance(a, torch.dtype) and a in _F32 else a for a in args)
+        return func(*args, **kwargs)
+
+
+def function_kind(config: dict[str, Any]) -> str:
+    """``"logprobs"`` for language-model heads, ``"hidden"`` for a bare model."""
+    arch = (config.get("architectures") or [""])[0]
+    if arch.endswith(("ForCausalLM", "LMHeadModel", "ForMaskedLM")):
+        return "logprobs"
+    return "hidden"
+
+
+def tiny_model(config: dict[str, Any], seed: int = 0) -> nn.Module:
+    """The architecture's own class at ``config``: float64, eval, eager attention, random
+    generic weights, no padding rows."""
+    model = build_hf_model(config, head=True)
+    for m in model.modules():
+        if isinstance(m, nn.Embedding):
+            m.padding_idx = None
+    randomize_(model, seed)
+    with torch.no_grad():  # small linear biases: every ReLU unit is active on some inputs only
+        for m in model.modules():
+            bias = getattr(m, "bias", None)
+            if isinstance(bias, nn.Parameter) and "Norm" not in type(m).__name__:
+                bias.mul_(0.1)
+    return model
+
+
+def position_table(model: nn.Module) -> int | None:
+    """Rows of the learned position table (None with rotary positions)."""
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Embedding) and ("position" in name or name.endswith("wpe")):
+            return m.num_embeddings
+    return None
+
+
+def token_types(model: nn.Module) -> int:
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Embedding) and "token_type" in name:
+            return m.num_embeddings
+    return 0
+
+
+def inputs_for(model: nn.Module, vocab: int, seq_len: int, n_sequences: int, seed: int
+               ) -> torch.Tensor:
+    """``[n, T, 2]`` float64 (token id, token type): the first ``vocab`` sequences put every
+    token at every position (token ``(j + t) mod V``), the rest are random."""
+    gen = torch.Generator().manual_seed(30_000 + seed)
+    n = max(n_sequences, vocab)
+    ids = torch.randint(0, vocab, (n, seq_len), generator=gen)
+    cover = (torch.arange(vocab)[:, None] + torch.arange(seq_len)[None]) % vocab
+    ids[:vocab] = cover
+    types = torch.zeros_like(ids)
+    n_types = token_types(model)
+    if n_types > 1:
+        types = torch.randint(0, n_types, (n, seq_len), generator=gen)
+        types[: vocab // 2 + 1] = torch.arange(seq_len)[None] % n_types
+    return torch.stack([ids, types], dim=-1).to(torch.float64)
+
+
+def tied_aliases(model: nn.Module) -> list[tuple[str, str]]:
+    """``(alias, canonical)`` parameter names that share one tensor (tied embeddings)."""
+    first: dict[int, str] = {}
+    out = []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            out.append((name, first[id(p)]))
+        else:
+            first[id(p)] = name
+    return out
+
+
+def whole_forward(kind: str, n_types: int, aliases: list[tuple[str, str]]):
+    """``forward(model, x)`` for the arbiter. Tied parameters: the arbiter swaps in only the
+    canonical name, so each alias is pointed at it for the call (and restored after)."""
+
+    def forward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        ids = x[..., 0].long()
+        kw: dict[str, Any] = {"token_type_ids": x[..., 1].long()} if n_types else {}
+        saved = []
+        for alias, canon in aliases:
+            owner, _, attr = alias.rpartition(".")
+            mod = model.get_submodule(owner)
+            saved.append((mod, attr, mod._parameters[attr]))
+            mod._parameters[attr] = _lookup(model, canon)
+        try:
+            with Float64Mode():
+                out = model(input_ids=ids, **kw)
+        finally:
+            for mod, attr, old in saved:
+                mod._parameters[attr] = old
+        if kind == "logprobs":
+            logits = out.logits
+            return logits - logits.mean(-1, keepdim=True)
+        return out.last_hidden_state
+
+    return forward
+
+
+def _lookup(model: nn.Module, name: str) -> torch.Tensor:
+    owner, _, attr = name.rpartition(".")
+    return getattr(model.get_submodule(owner), attr)
+
+
+@dataclass(frozen=True)
+class WholeArbiter:
+    """The arbiter's count of a whole tiny model; ``near`` from a second run at eps = 0."""
+
+    result: ArbiterResult
+    near_unidentified: int
+    kind: str
+    seq_len: int
+
+    @property
+    def unidentified(self) -> int:
+        return self.result.nullity
+
+
+def set_norm_eps_(model: nn.Module, eps: float) -> nn.Module:
+    for m in model.modules():
+        if "Norm" in type(m).__name__:
+            for attr in ("variance_epsilon", "eps"):
+                if isinstance(getattr(m, attr, None), float):
+                    setattr(m, attr, eps)
+    return model
+
+
+def arbiter_whole(config: dict[str, Any], *, seed: int = 0, seq_len: int = 6,
+                  n_sequences: int | None = None, near: bool = True,
+                  return_null_space: bool = False) -> WholeArbiter:
+    """Nullity of the whole model's function at a random point of ``config`` (keep it tiny)."""
+    model = tiny_model(config, seed)
+    kind = function_kind(config)
+    n_types = token_types(model)
+    table = position_table(model)
+    T = table or seq_len
+    vocab = int(config["vocab_size"])
+    P = sum(p.numel() for p in model.parameters())
+    width = vocab if kind == "logprobs" else int(model.config.hidden_size)
+    n = n_sequences or max(vocab, -(-3 * P // (T * width)), 8)
+    x = inputs_for(model, vocab, T, n, seed)
+    fwd = whole_forward(kind, n_types, tied_aliases(model))
+    found = jacobian_rank(model, x, forward=fwd, seed=seed, near_rtol=0.0,
+                          return_null_space=return_null_space)
+    near_n = 0
+    if near:
+        exact = set_norm_eps_(copy.deepcopy(model), 0.0)
+        near_n = max(jacobian_rank(exact, x, forward=fwd, seed=seed, near_rtol=0.0).nullity
+                     - found.nullity, 0)
+    return WholeArbiter(found, near_n, kind, T)
+
+
+REDUCED_KEYS = ("hidden_size", "n_embd", "num_attention_heads", "n_head", "num_key_value_heads",
+                "num_kv_heads", "head_dim", "intermediate_size", "n_inner", "ffn_hidden_size",
+                "vocab_size", "num_hidden_layers", "n_layer", "max_position_embeddings",
+                "n_positions", "type_vocab_size", "tie_word_embeddings")
+
+
+def reduced_whole_config(adapter: Any, config: dict[str, Any]) -> dict[str, Any]:
+    """The attention's reduced config (same grouping, rotary fraction, biases, norms) with a
+    tiny whole model around it: one layer, 6 MLP units, a 6-row position table, eps 1e-2 (so
+    near-unidentified directions stand clear), the config's own tying. A parallel layout's
+    first MLP sees only the vocabulary's rows, so it gets 40 tokens (enough to pin it down)."""
+    small = adapter.reduce(config)
+    st = adapter.whole(config)
+    out = dict(small, vocab_size=40 if st.layout == "parallel" else 16, tie_word_embeddings=st.tied,
+               pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    for key in ("num_hidden_layers", "n_layer"):
+        if key in out or key == "num_hidden_layers":
+            out[key] = 1
+    for key in ("intermediate_size", "n_inner", "ffn_hidden_size"):
+        if key in out or (key == "ffn_hidden_size" and adapter.model_type == "falcon"):
+            out[key] = 6
+    for key in ("max_position_embeddings", "n_positions"):
+        if key in out:
+            out[key] = 6
+    for key in ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon"):
+        out[key] = 1e-2
+    return out
+
+
+def numeric_whole(adapter: Any, config: dict[str, Any], *, seed: int = 0):
+    """The arbiter's whole-model count of a reduced config (families without a closed form)."""
+    small = reduced_whole_config(adapter, config)
+    found = arbiter_whole(small, seed=seed)
+    r = found.result
+    return WholeCount(adapter.whole(small),
+                      {"whole (reduced config)": Component(r.n_params, r.nullity, found.near_unidentified)},
+                      method="numeric: the whole-model arbiter on a reduced config of the same structure",
+                      reduced_config={k: small[k] for k in REDUCED_KEYS if small.get(k) is not None})
+
+
+@dataclass(frozen=True)
+class WholeVerification:
+    """The whole-model closed form next to the arbiter, at one or two random points."""
+
+    label: str
+    theory: Any  # WholeCount
+    arbiter: WholeArbiter
+    confirm: WholeArbiter | None
+
+    @property
+    def stable(self) -> bool:
+        c = self.confirm
+        return c is None or (c.unidentified, c.near_unidentified) == (
+            self.arbiter.unidentified, self.arbiter.near_unidentified)
+
+    @property
+    def agree(self) -> bool:
+        a = self.arbiter
+        return self.stable and a.result.n_params == self.theory.total and (
+            a.unidentified, a.near_unidentified) == (self.theory.unidentified,
+                                                     self.theory.near_unidentified)
+
+    def to_dict(self) -> dict[str, Any]:
+        a = self.arbiter.result
+        return {
+            "model": self.label, "function": self.arbiter.kind, "total": a.n_params,
+            "total_theory": self.theory.total, "unidentified_numeric": a.nullity,
+            "unidentified_theory": self.theory.unidentified,
+            "near_unidentified_numeric": self.arbiter.near_unidentified,
+            "near_unidentified_theory": self.theory.near_unidentified, "agree": self.agree,
+            "stable": self.stable, "spectral_gap": a.spectral_gap, "n_sequences": a.n_sequences,
+            "seq_len": a.seq_len, "n_rows": a.n_rows, "seconds": a.seconds,
+            "components": self.theory.to_dict()["components"],
+            "structure": self.theory.structure.to_dict() | {"specs": None},
+        }
+
+
+def verify_whole(config: dict[str, Any], label: str, *, seed: int = 0, confirm: bool = True
+                 ) -> WholeVerification:
+    """Closed form against the whole-model arbiter on ``config`` (already tiny)."""
+    theory = count_structure(adapter_for(config).whole(config))
+    first = arbiter_whole(config, seed=seed)
+    second = arbiter_whole(config, seed=seed + 1,
+                           n_sequences=2 * first.result.n_sequences) if confirm else None
+    return WholeVerification(label, theory, first, second)
+
+
+def verify_whole_hf_config(model: str, *, seed: int = 0, confirm: bool = True) -> WholeVerification:
+    """``attnid verify --hf-config MODEL --whole``: the whole reduced model."""
+    name, config = load_config(model)
+    adapter = adapter_for(config)
+    if not adapter.closed_form or adapter.whole(config).layout == "post":
+        raise AttnidError(f"{adapter.family} has no whole-model closed form to compare with; "
+                          "`attnid report` shows its numeric whole-model count")
+    small = reduced_whole_config(adapter, config)
+    arch = (small.get("architectures") or [adapter.model_type])[0]
+    shown = {k: small[k] for k in REDUCED_KEYS if small.get(k) is not None}
+    return verify_whole(small, f"{name} ({arch}, whole model, reduced: {shown})", seed=seed,
+                        confirm=confirm)

@@ -1,0 +1,159 @@
+"""Closed-form whole-model counts: every parameter of a transformer, not only its attention.
+
+Each component's count is derived in docs (section "Whole model"); in short, at a generic
+point the unidentified directions are the tangents of these symmetries, and they are
+independent of each other:
+
+* attention, per layer: the attention closed form (``attnid.count``), on the width its
+  input really spans (``d - 1`` behind a LayerNorm, whose output is orthogonal to all-ones);
+* norms: each norm's gain trades against the input rows of every linear layer reading it
+  (``d``); a LayerNorm's output is centred, so each reader has one invisible direction per
+  output column, and a LayerNorm bias is redundant with its readers' biases (``d``);
+* residual stream: rotations (``O(d)``; fixing all-ones under LayerNorm) when the unembedding is
+  not tied; the scale of the stream (near-unidentified: only the norms' eps sees it); under
+  LayerNorm, the all-ones component of every write; parallel layers' two output biases;
+* embeddings: token rows translate against position (and token-type) rows;
+* MLP: one scale per neuron for ReLU and gated MLPs;
+* head: next-token log-probabilities ignore a shift constant across the vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from attnid.spec import AttentionSpec
+from attnid.theory import Component, count
+from attnid.whole.structure import Structure
+
+
+@dataclass(frozen=True)
+class WholeCount:
+    """Totals and the breakdown by component, for one whole model."""
+
+    structure: Structure
+    components: dict[str, Component] = field(default_factory=dict)
+    method: str = "closed form"
+    reduced_config: dict[str, Any] | None = None  # numeric counts: the config counted
+
+    @property
+    def total(self) -> int:
+        return sum(c.params for c in self.components.values())
+
+    @property
+    def unidentified(self) -> int:
+        return sum(c.unidentified for c in self.components.values())
+
+    @property
+    def near_unidentified(self) -> int:
+        return sum(c.near_unidentified for c in self.components.values())
+
+    @property
+    def identified(self) -> int:
+        return self.total - self.unidentified
+
+    @property
+    def ratio(self) -> float:
+        return self.unidentified / self.total
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "total": self.total, "identified": self.identified, "unidentified": self.unidentified,
+            "near_unidentified": self.near_unidentified, "ratio": self.ratio,
+            "components": {k: v.to_dict() for k, v in self.components.items()},
+            "method": self.method,
+            **({"reduced_config": self.reduced_config} if self.reduced_config else {}),
+        }
+
+
+def _add(out: dict[str, list[int]], name: str, params: int = 0, unid: int = 0, near: int = 0) -> None:
+    acc = out.setdefault(name, [0, 0, 0])
+    acc[0] += params
+    acc[1] += unid
+    acc[2] += near
+
+
+def _readers(s: AttentionSpec, st: Structure) -> tuple[list[tuple[int, bool]], list[tuple[int, bool]]]:
+    """(attention's readers, MLP's readers) of a norm: (output columns, has a bias)."""
+    H, G, dk, dv = s.n_heads, s.n_kv_heads, s.head_dim, s.v_head_dim
+    attn = [(H * dk, s.has_bias("q")), (G * dk, s.has_bias("k")), (G * dv, s.has_bias("v"))]
+    mlp = [(st.d_ff * (2 if st.mlp == "gated" else 1), st.mlp_bias)]
+    return attn, mlp
+
+
+def _behind_layernorm(s: AttentionSpec, st: Structure) -> AttentionSpec:
+    """The attention a LayerNorm's readers effectively are: inputs span ``d - 1`` dimensions
+    (orthogonal to all-ones), and a LayerNorm bias ``b`` gives every reader an offset ``b W``
+    that centring moves freely: q, k and v behave as if they had biases."""
+    bias = "".join(sorted(set(s.bias) | ({"q", "k", "v"} if st.norm_bias else set())))
+    return replace(s, d_model=st.d_model - 1, bias=bias)
+
+
+def _norm(st: Structure, readers: list[tuple[int, bool]] | None,
+          out: dict[str, list[int]]) -> None:
+    """One residual norm: its gain (and bias) transfer under "norms", the centred output's
+    invisible reader columns under "centring". ``readers`` None: nothing can absorb its gain
+    (a tied unembedding reads it, or it is the output)."""
+    d = st.d_model
+    layer = st.norm == "layer"
+    params = d * (2 if layer and st.norm_bias else 1)
+    if readers is None:
+        _add(out, "norms", params, 0)
+        return
+    # gain transfer (d); a LayerNorm bias is redundant with its readers' offsets (d)
+    _add(out, "norms", params, d + (d if layer and st.norm_bias else 0))
+    if layer:  # each reader column has one invisible direction; a biased norm's offset
+        # moves with unbiased readers' columns, so only biased readers' count then
+        cols = sum(n for n, b in readers if b or not st.norm_bias)
+        _add(out, "centring", 0, cols)
+
+
+def count_structure(st: Structure) -> WholeCount:
+    """The closed form for a pre-LN or parallel layout (see the module docstring)."""
+    if st.layout == "post":
+        from attnid.errors import AttnidError
+
+        raise AttnidError("no closed form for post-LN layouts yet: count them numerically")
+    d, V = st.d_model, st.vocab
+    layer = st.norm == "layer"
+    w = d - 1 if layer else d  # the width a norm's output spans
+    lm = st.function == "logprobs"
+    free_unembed = lm and not st.tied  # an unembedding matrix of its own
+    input_only_E = not (lm and st.tied)  # E is not also read as the unembedding
+    out: dict[str, list[int]] = {}
+    for s in st.specs:
+        c = count(s)
+        seen = count(_behind_layernorm(s, st)) if layer else c
+        _add(out, "attention", c.total, seen.unidentified, c.near_unidentified)
+        attn_r, mlp_r = _readers(s, st)
+        if st.layout == "parallel" and st.shared_norm:
+            _norm(st, attn_r + mlp_r, out)
+        else:
+            _norm(st, attn_r, out)
+            _norm(st, mlp_r, out)
+        n_mats = 3 if st.mlp == "gated" else 2
+        bias = (st.d_ff * (n_mats - 1) + d) if st.mlp_bias else 0
+        _add(out, "mlp", n_mats * d * st.d_ff + bias,
+             st.d_ff if st.mlp in ("relu", "gated") else 0)
+        if layer:  # the all-ones component of each write into the stream
+            _add(out, "residual", 0, s.n_heads * s.v_head_dim + s.has_bias("o")
+                 + st.d_ff + st.mlp_bias)
+        if st.layout == "parallel" and s.has_bias("o") and st.mlp_bias:
+            _add(out, "residual", 0, w)  # two output biases added to one stream
+    _norm(st, [(V, False)] if free_unembed else None, out)  # the final norm
+    # residual stream: rotations (untied LM only), scale (near: the norms' eps sees it)
+    _add(out, "residual", 0, w * (w - 1) // 2 if free_unembed else 0)
+    _add(out, "residual", 0, *((1, 0) if st.eps == 0 else (0, 1)))
+    # embeddings: tables, their all-ones rows under LayerNorm, translations between tables
+    tables = [n for n in (st.positions, st.token_types) if n]
+    unid = 0
+    if layer:
+        unid += sum(tables) + (V if input_only_E else 0)
+    unid += len(tables) * (d - (1 if layer and input_only_E else 0))
+    if layer and not input_only_E and not tables:
+        unid += 1  # tied: E + c 1 1^T shifts the stream along all-ones and the logits uniformly
+    _add(out, "embeddings", d * (V + sum(tables)), unid)
+    if lm and not st.tied:
+        _add(out, "head", V * d, d)  # logits shifted by a constant across the vocabulary
+    return WholeCount(st, {k: Component(*v) for k, v in out.items()})
+
