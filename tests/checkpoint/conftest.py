@@ -92,6 +92,12 @@ def save_random(config: dict, root: Path, name: str, seed: int = 0) -> Path:
 
 
 @pytest.fixture
+def small() -> dict[str, dict]:
+    """Configs of tiny random checkpoints (a tied, biased GQA Llama; GPT-2)."""
+    return SMALL
+
+
+@pytest.fixture
 def variant() -> Callable[..., Path]:
     return write_variant
 

@@ -18,7 +18,9 @@ so B is *certified* when every residual sits at the dtype's rounding level. Prod
 compared in an orthonormal basis of the factors' column spaces (``[..., 2k, 2k]``, never
 ``d x d``). Separately, per group, the gauge that best maps B onto A is fitted (least
 squares on the stacked query heads and on the values; RoPE: within the commutant), to
-report the distance after alignment and the share of the raw difference that is pure gauge.
+report the distance after alignment and the share of the raw difference that is pure gauge
+(what the fitted element leaves is then projected off the orbit's tangent space at A, the
+first-order step that makes small differences, as in fine-tuning, come out right).
 Every tensor outside attention must match to rounding (whole-model symmetries are not
 covered).
 """
@@ -34,6 +36,7 @@ from attnid.checkpoint.load import Checkpoint, open_checkpoint
 from attnid.errors import AttnidError
 from attnid.rope import plane_dims
 from attnid.spec import AttentionSpec
+from attnid.symmetry.projection import remove_tangent
 from attnid.weights import AttentionWeights, group_sum_out
 
 VOGauge = Literal["gl", "diagonal"]
@@ -207,9 +210,7 @@ def align(A: AttentionWeights, B: AttentionWeights, vo_gauge: VOGauge = "gl") ->
         if B.b_Q is not None:
             new["b_Q"] = (B.b_Q.unsqueeze(-2) @ Mh).squeeze(-2)
         if B.b_K is not None:
-            bk = (B.b_K.unsqueeze(-2) @ M_invT).squeeze(-2)
-            bk[..., s.rope_dims:] = A.b_K[..., s.rope_dims:]
-            new["b_K"] = bk
+            new["b_K"] = (B.b_K.unsqueeze(-2) @ M_invT).squeeze(-2)
     if vo_gauge == "diagonal":
         C = torch.diag_embed((B.W_V * A.W_V).sum(-2) / (B.W_V**2).sum(-2).clamp_min(1e-300))
     else:
@@ -218,10 +219,18 @@ def align(A: AttentionWeights, B: AttentionWeights, vo_gauge: VOGauge = "gl") ->
     new["W_O"] = torch.linalg.pinv(C).repeat_interleave(m, dim=0) @ B.W_O
     if B.b_V is not None:
         new["b_V"] = (B.b_V.unsqueeze(-2) @ C).squeeze(-2)
-    out = B.replace(**new)
+    return _bias_gauge(A, B.replace(**new))
+
+
+def _bias_gauge(A: AttentionWeights, B: AttentionWeights) -> AttentionWeights:
+    """B with its invisible key bias set to A's and its value bias folded the way A's is."""
+    if B.b_K is not None and A.spec.qk_norm == "none":
+        bk = B.b_K.clone()
+        bk[..., A.spec.rope_dims:] = A.b_K[..., A.spec.rope_dims:]
+        B = B.replace(b_K=bk)
     if A.b_V is not None and A.b_O is not None:  # fold: only the effective output bias matters
-        out = out.replace(b_V=A.b_V, b_O=effective_out_bias(out) - _folded(A))
-    return out
+        B = B.replace(b_V=A.b_V, b_O=effective_out_bias(B) - _folded(A))
+    return B
 
 
 def _folded(w: AttentionWeights) -> torch.Tensor:
@@ -240,7 +249,10 @@ def compare_layers(A: AttentionWeights, B: AttentionWeights, vo_gauge: VOGauge =
     per_name = {n: float(t.max()) for n, t in res.items()}
     worst = max(per_name, key=per_name.__getitem__)
     raw = _distance(A, B)
-    aligned = min(raw, _distance(A, align(A, B, vo_gauge)))  # the identity is a group element too
+    # the fitted group element, then (first order, as for rho) the orbit-tangent part of what is left
+    start = min((align(A, B, vo_gauge), _bias_gauge(A, B)), key=lambda x: _distance(A, x))
+    rest = start - A if vo_gauge == "diagonal" else remove_tangent(A, start - A)
+    aligned = min(raw, _distance(A, start), (rest.dot(rest).item()) ** 0.5)
     share = 1.0 if raw == 0.0 else min(1.0, max(0.0, 1.0 - (aligned / raw) ** 2))
     return LayerDiff(raw_distance=raw, aligned_distance=aligned, gauge_share=share, worst_tensor=worst,
                      worst_head=int(res[worst].argmax()), residual=per_name[worst], residuals=per_name)
@@ -267,12 +279,12 @@ def diff(model_a: str | Checkpoint, model_b: str | Checkpoint) -> dict[str, Any]
     other = _other_tensors(a, b)
     breaks = [r for r in layers if r["residual"] > tol]
     worst = max(layers, key=lambda r: r["residual"])
-    brk = None
-    if other["residual"] > tol and (not breaks or other["residual"] >= worst["residual"]):
-        brk = {"layer": None, "tensor": other["worst_tensor"], "residual": other["residual"]}
-    elif breaks:
+    brk = None  # a break inside attention is named first (it is measured modulo the gauge)
+    if breaks:
         brk = {"layer": worst["layer"], "tensor": worst["worst_tensor"], "head": worst["worst_head"],
                "residual": worst["residual"]}
+    elif other["residual"] > tol:
+        brk = {"layer": None, "tensor": other["worst_tensor"], "residual": other["residual"]}
     return {"model_a": str(a.path), "model_b": str(b.path), "architecture": a.adapter.family,
             "dtype": str(dtype).split(".")[-1], "tolerance": tol, "certified": brk is None,
             "covers": COVERS, "break": brk, "other": other, "layers": layers}
