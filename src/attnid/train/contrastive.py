@@ -57,8 +57,12 @@ def load_encoder(path: str | Path) -> tuple[nn.Module, Any]:
 def embed(model: nn.Module, tok: Any, texts: list[str], max_length: int = 32) -> torch.Tensor:
     """Mean-pooled, L2-normalised sentence embeddings ``[B, d]``."""
     enc = tok(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
-    h = model(**enc).last_hidden_state  # [B, T, d]
-    mask = enc["attention_mask"].unsqueeze(-1).to(h.dtype)
+    return mean_pool(model(**enc).last_hidden_state, enc["attention_mask"])
+
+
+def mean_pool(h: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """``h [B, T, d]`` averaged over the unmasked tokens, L2-normalised: ``[B, d]``."""
+    mask = attention_mask.unsqueeze(-1).to(h.dtype)
     pooled = (h * mask).sum(1) / mask.sum(1).clamp_min(1.0)
     return nn.functional.normalize(pooled, dim=-1)
 
