@@ -206,3 +206,40 @@ def test_bad_input_is_one_error_line(minilm, tmp_path, capsys, random_checkpoint
         code, _, err = _diff(capsys, minilm, b)
         lines = err.strip().splitlines()
         assert code == 2 and len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], err
+
+
+# ---- every family canonicalize supports ---------------------------------------------------------
+def _families() -> list[str]:
+    from attnid.adapters.config import bundled, load_config
+    from attnid.adapters.registry import adapter_for
+
+    out: dict[str, str] = {}
+    for name in bundled():
+        try:
+            a = adapter_for(load_config(name)[1])
+        except Exception:  # a bundled config this transformers cannot serve
+            continue
+        if a.closed_form:
+            out.setdefault(a.family, name)
+    return sorted(out.values())
+
+
+@pytest.mark.parametrize("name", _families())
+def test_random_gauge_certified_and_a_nudge_caught_in_every_family(name, tmp_path, capsys, variant,
+                                                                    random_checkpoint):
+    from attnid.adapters.config import load_config
+    from attnid.adapters.registry import adapter_for
+
+    config = load_config(name)[1]
+    small = dict(adapter_for(config).reduce(config), num_hidden_layers=2)
+    for k in ("n_layer", "num_layers"):
+        small.pop(k, None)
+    src = random_checkpoint(small, tmp_path, "m")
+    code, r, _ = _diff(capsys, src, variant(src, tmp_path / "g", _gauged))
+    assert code == 0, r["break"]
+
+    def nudge(i: int, w: AttentionWeights) -> AttentionWeights:
+        return w.replace(W_K=w.W_K * 1.01) if i == 1 else w
+
+    code, r, _ = _diff(capsys, src, variant(src, tmp_path / "n", nudge))
+    assert code == 1 and r["break"]["layer"] == 1, r["break"]

@@ -266,7 +266,7 @@ def diff(model_a: str | Checkpoint, model_b: str | Checkpoint) -> dict[str, Any]
         raise AttnidError(f"{a.path} and {b.path} are not the same architecture "
                           f"({a.adapter.family} {a.specs[0].describe()} x{a.n_layers} vs "
                           f"{b.adapter.family} {b.specs[0].describe()} x{b.n_layers})")
-    names_a, names_b = {n[len(a.prefix):] for n in a.index}, {n[len(b.prefix):] for n in b.index}
+    names_a, names_b = {_rel(a, n) for n in a.index}, {_rel(b, n) for n in b.index}
     if names_a != names_b:
         extra = sorted(names_a ^ names_b)[:3]
         raise AttnidError(f"{a.path} and {b.path} hold different tensors (e.g. {', '.join(extra)})")
@@ -294,7 +294,8 @@ def _other_tensors(a: Checkpoint, b: Checkpoint) -> dict[str, Any]:
     """Largest relative difference among the tensors outside attention."""
     worst, worst_res = None, 0.0
     for n in a.other_names():
-        ta, tb = a.tensor(n), b.tensor(b.prefix + n[len(a.prefix):])
+        rel = _rel(a, n)
+        ta, tb = a.tensor(n), b.tensor(b.prefix + rel if b.prefix + rel in b.index else rel)
         if ta.shape != tb.shape:
             raise AttnidError(f"{n} has shape {tuple(ta.shape)} in {a.path} "
                               f"but {tuple(tb.shape)} in {b.path}")
@@ -307,3 +308,8 @@ def _other_tensors(a: Checkpoint, b: Checkpoint) -> dict[str, Any]:
         if worst is None or r > worst_res:
             worst, worst_res = n, r
     return {"worst_tensor": worst, "residual": worst_res}
+
+
+def _rel(ck: Checkpoint, name: str) -> str:
+    """A tensor name without the checkpoint's outer prefix (where it has it)."""
+    return name[len(ck.prefix):] if name.startswith(ck.prefix) else name
