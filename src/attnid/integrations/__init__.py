@@ -1,0 +1,1 @@
+"""Integrations with training frameworks (imported explicitly; they need optional extras)."""

@@ -1,0 +1,145 @@
+"""`AttnidCallback`: the attnid monitor (and optional corrector) inside a Hugging Face `Trainer`.
+
+    from attnid.integrations.transformers import AttnidCallback
+    trainer = Trainer(model=model, args=args, train_dataset=data,
+                      callbacks=[AttnidCallback(correction="off")])   # or "project", "rebalance:100"
+
+Around every monitored optimizer step it records, per attention layer and key/value group,
+``rho_qk, rho_vo`` (share of the applied update along the invisible directions),
+``beta_qk, beta_vo`` (the conserved quantities after the step) and ``drift_qk, drift_vo``
+(how far they moved from where training started), plus the median and max over heads.
+Summaries go into Trainer's logs as ``attnid/<metric>/{median,max}`` and per layer
+``attnid/<metric>/layer<i>/{median,max}``, so every reporting integration (TensorBoard, W&B,
+...) and ``trainer.state.log_history`` get them; every measured step is also one line of
+``<output_dir>/attnid_metrics.jsonl`` with the per-head values. Any model whose family has an
+attnid adapter (or that is built from `attnid.Attention`) works.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from attnid.errors import AttnidError, require
+
+require("transformers", "hf")
+
+from transformers import TrainerCallback  # noqa: E402
+
+from attnid.monitor import Corrector, Monitor, parse_mode  # noqa: E402
+from attnid.symmetry.conserved import conserved  # noqa: E402
+from attnid.weights import AttentionWeights  # noqa: E402
+
+METRICS = ("rho_qk", "rho_vo", "beta_qk", "beta_vo", "drift_qk", "drift_vo")
+
+
+class AttnidCallback(TrainerCallback):
+    """Monitor (and optionally correct) the attention symmetries during ``Trainer.train()``.
+
+    ``correction``: ``"off"`` | ``"project"`` (remove the orbit part of every update) |
+    ``"rebalance:N"`` (rebalance every N steps). ``every``: measure every N optimizer steps.
+    ``path``: the JSONL file (default ``<output_dir>/attnid_metrics.jsonl``; ``False``: none).
+    ``per_layer``: also log per-layer summaries.
+    """
+
+    def __init__(self, correction: str = "off", *, every: int = 1, path: str | Path | bool | None = None,
+                 per_layer: bool = True, near: bool = False) -> None:
+        parse_mode(correction)  # refuse a bad mode now, not mid-training
+        if not isinstance(every, int) or every < 1:
+            raise AttnidError(f"every must be a positive integer, got {every!r}")
+        self.correction, self.every, self.path = correction, every, path
+        self.per_layer, self.near = per_layer, near
+        self.monitor: Monitor | None = None
+        self.corrector: Corrector | None = None
+        self.last: dict[str, Any] | None = None  # the latest measured record
+        self._start: list[dict[str, torch.Tensor]] = []
+        self._stack: contextlib.ExitStack | None = None
+        self._before: list[AttentionWeights] | None = None
+        self._file: Path | None = None
+        self._logged = -1
+
+    # ---- Trainer events ----------------------------------------------------------------
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if model is None:
+            raise AttnidError("AttnidCallback needs the model (Trainer passes it)")
+        self.monitor = Monitor(model, near=self.near)
+        self.corrector = Corrector(model, self.correction, near=self.near)
+        self._start = [{side: conserved(w, side) for side in ("qk", "vo")}
+                       for w in self.monitor.batches.snapshot()]
+        if self.path is not False and state.is_world_process_zero:
+            self._file = Path(self.path) if isinstance(self.path, (str, Path)) else \
+                Path(args.output_dir) / "attnid_metrics.jsonl"
+            self._file.parent.mkdir(parents=True, exist_ok=True)
+            self._file.write_text("")
+        self._run_before_reporters()
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self._stack = contextlib.ExitStack()
+        self._before = self.monitor.batches.snapshot() if state.global_step % self.every == 0 else None
+        if self._before is not None:
+            self._grads = self.monitor._bias_grads()
+        self._stack.enter_context(self.corrector.step())
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self._stack.close()  # the corrector acts first: the monitor sees the update that was applied
+        if self._before is None:
+            return
+        after = self.monitor.batches.snapshot()
+        vals = self.monitor.measure(self._before, after)
+        vals.update(self._grads)
+        for side in ("qk", "vo"):
+            rows = vals[f"drift_{side}"]
+            for idx, w, c0 in zip(self.monitor.batches.groups, after, self._start, strict=True):
+                d = conserved(w, side) - c0[side]
+                d = d.flatten(-2).norm(dim=-1) if d.ndim - len(w.batch_shape) >= 3 else d.norm(dim=-1)
+                for j, i in enumerate(idx):
+                    rows[i] = d[j].tolist()
+        self._before = None
+        self.last = {"step": state.global_step + 1, "layers": self.monitor.layer_names, **vals}
+        if self._file is not None:
+            with self._file.open("a") as f:
+                f.write(json.dumps(self.last) + "\n")
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is None or self.last is None or self.last["step"] == self._logged:
+            return  # nothing new since the last log (e.g. the end-of-training summary)
+        self._logged = self.last["step"]
+        extra = self.summary()
+        logs.update(extra)
+        if state.log_history:
+            state.log_history[-1].update(extra)
+
+    # ---- summaries ----------------------------------------------------------------------
+    def summary(self) -> dict[str, float]:
+        """``attnid/<metric>/{median,max}`` over all heads, and per layer unless disabled."""
+        out: dict[str, float] = {}
+        for key in METRICS:
+            rows = [_flat(r) for r in self.last[key]]
+            every = [x for r in rows for x in r]
+            out[f"attnid/{key}/median"] = statistics.median(every)
+            out[f"attnid/{key}/max"] = max(every)
+            if self.per_layer:
+                for i, r in enumerate(rows):
+                    out[f"attnid/{key}/layer{i}/median"] = statistics.median(r)
+                    out[f"attnid/{key}/layer{i}/max"] = max(r)
+        return out
+
+    def _run_before_reporters(self) -> None:
+        """Move this callback right after Trainer's flow callback, so the reporting
+        integrations (which Trainer puts first) see the values this callback adds to the logs."""
+        for ref in gc.get_referrers(self):
+            if isinstance(ref, list) and any(type(c).__name__ == "DefaultFlowCallback" for c in ref):
+                ref.remove(self)
+                flow = next(i for i, c in enumerate(ref) if type(c).__name__ == "DefaultFlowCallback")
+                ref.insert(flow + 1, self)  # earlier in the list: the running loop calls nobody twice
+                return
+
+
+def _flat(x: Any) -> list[float]:
+    return [float(v) for v in x] if isinstance(x, list) else [float(x)]

@@ -1,0 +1,99 @@
+"""Contrastive sentence fine-tuning of a pretrained encoder (all-MiniLM-L6-v2) on the shipped
+Shakespeare corpus: adjacent lines are positives, the rest of the batch negatives (InfoNCE on
+cosine similarity over a temperature). Offline, CPU, seeded. Needs transformers (``[hf]``).
+
+    pairs = line_pairs()                       # (line, next line), train / held-out split
+    model, tok = load_encoder(path)
+    loss = contrastive_loss(embed(model, tok, a), embed(model, tok, b), temperature=0.05)
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from attnid.errors import AttnidError, require
+from attnid.train.data import corpus
+
+
+@dataclass(frozen=True)
+class Pairs:
+    train: list[tuple[str, str]]
+    held_out: list[tuple[str, str]]
+
+
+def line_pairs(min_chars: int = 25, held_out: int = 256, seed: int = 0) -> Pairs:
+    """Adjacent non-empty lines of the corpus (both at least ``min_chars`` long), shuffled and split."""
+    lines = [ln.strip() for ln in corpus().splitlines()]
+    out = [(a, b) for a, b in itertools.pairwise(lines)
+           if len(a) >= min_chars and len(b) >= min_chars]
+    order = torch.randperm(len(out), generator=torch.Generator().manual_seed(seed)).tolist()
+    out = [out[i] for i in order]
+    return Pairs(train=out[held_out:], held_out=out[:held_out])
+
+
+def load_encoder(path: str | Path) -> tuple[nn.Module, Any]:
+    """(transformers model in float32, eager attention, train mode without dropout; tokenizer)."""
+    require("transformers", "hf")
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(str(path))
+        model = transformers.AutoModel.from_pretrained(str(path), attn_implementation="eager")
+    except (OSError, ValueError) as e:
+        raise AttnidError(f"cannot load an encoder from {path}: {e}") from None
+    for m in model.modules():  # deterministic steps: no dropout
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+    return model.float().train(), tok
+
+
+def embed(model: nn.Module, tok: Any, texts: list[str], max_length: int = 32) -> torch.Tensor:
+    """Mean-pooled, L2-normalised sentence embeddings ``[B, d]``."""
+    enc = tok(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+    return mean_pool(model(**enc).last_hidden_state, enc["attention_mask"])
+
+
+def mean_pool(h: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """``h [B, T, d]`` averaged over the unmasked tokens, L2-normalised: ``[B, d]``."""
+    mask = attention_mask.unsqueeze(-1).to(h.dtype)
+    pooled = (h * mask).sum(1) / mask.sum(1).clamp_min(1.0)
+    return nn.functional.normalize(pooled, dim=-1)
+
+
+def contrastive_loss(a: torch.Tensor, b: torch.Tensor, temperature: float = 0.05) -> torch.Tensor:
+    """Symmetric InfoNCE: row i of ``a`` should pick row i of ``b`` among the batch."""
+    logits = a @ b.T / temperature  # [B, B]
+    target = torch.arange(a.shape[0])
+    return 0.5 * (nn.functional.cross_entropy(logits, target) + nn.functional.cross_entropy(logits.T, target))
+
+
+@torch.no_grad()
+def retrieval_accuracy(model: nn.Module, tok: Any, pairs: list[tuple[str, str]], chunk: int = 128) -> float:
+    """Share of held-out lines whose nearest neighbour among all held-out next lines is their own."""
+    was = model.training
+    model.eval()
+    starts = range(0, len(pairs), chunk)
+    a = torch.cat([embed(model, tok, [p[0] for p in pairs[i:i + chunk]]) for i in starts])
+    b = torch.cat([embed(model, tok, [p[1] for p in pairs[i:i + chunk]]) for i in starts])
+    model.train(was)
+    return float(((a @ b.T).argmax(1) == torch.arange(len(pairs))).double().mean())
+
+
+def batches(pairs: list[tuple[str, str]], batch_size: int, steps: int, seed: int = 0
+            ) -> list[tuple[list[str], list[str]]]:
+    """``steps`` seeded batches of ``batch_size`` pairs (sampling without replacement per pass)."""
+    gen = torch.Generator().manual_seed(seed)
+    out, pool = [], []
+    for _ in range(steps):
+        if len(pool) < batch_size:
+            pool = torch.randperm(len(pairs), generator=gen).tolist()
+        take, pool = pool[:batch_size], pool[batch_size:]
+        out.append(([pairs[i][0] for i in take], [pairs[i][1] for i in take]))
+    return out
