@@ -69,7 +69,7 @@ def audit_layer(w: AttentionWeights) -> dict[str, Any]:
         row["value_bias_foldable"] = float(moved.norm())
     else:
         row["value_bias_foldable"] = None
-    bal = rebalance_vo(rebalance_qk(core, mode="auto", align=True, bias_rows=False),
+    bal = rebalance_vo(rebalance_qk(core, group="auto", align=True, bias_rows=False),
                        align=True, fold=False, bias_rows=False)
     removed = sum(float(((bal[n] - w[n]) ** 2).sum()) for n in WEIGHTS) ** 0.5
     size = sum(float((w[n] ** 2).sum()) for n in WEIGHTS) ** 0.5

@@ -187,12 +187,12 @@ def arbiter_whole(config: dict[str, Any], *, seed: int = 0, seq_len: int = 6,
     n = n_sequences or max(vocab, -(-3 * P // (T * width)), 8)
     x = inputs_for(model, vocab, T, n, seed)
     fwd = whole_forward(kind, n_types, tied_aliases(model))
-    found = jacobian_rank(model, x, forward=fwd, seed=seed, near_rtol=0.0,
+    found = jacobian_rank(model, x, forward=fwd, seed=seed,
                           return_null_space=return_null_space)
     near_n = 0
     if near:
         exact = set_norm_eps_(copy.deepcopy(model), 0.0)
-        near_n = max(jacobian_rank(exact, x, forward=fwd, seed=seed, near_rtol=0.0).nullity
+        near_n = max(jacobian_rank(exact, x, forward=fwd, seed=seed).nullity
                      - found.nullity, 0)
     return WholeArbiter(found, near_n, kind, T)
 
