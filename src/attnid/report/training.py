@@ -157,7 +157,8 @@ def fig5_second_order(data: ExperimentData, path: Path) -> Path:
             bound = np.cumsum(run["update_sq_qk"][1:].sum(1))
             moved = np.abs(run["beta_qk"][1:] - run["beta_qk"][0]).max(1)
             c.plot(run["step"][1:], moved, color=colors[prefix], label=f"{label}: max |Δbeta_qk| over heads")
-            c.plot(run["step"][1:], bound, color=colors[prefix], ls=":", label=f"{label}: bound Σ||Δw_QK||²")
+            c.plot(run["step"][1:], bound, color=colors[prefix], ls=":",
+                   label=f"{label}: bound Σ||Δw_QK||² (all layers)")
     a.set_yscale("log")
     _lr_axis(a, SWEEP_LRS)
     a.set_ylabel("drift of one float64 step")
