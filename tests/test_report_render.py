@@ -75,3 +75,14 @@ def test_disabled_progress_prints_nothing():
     p.run(1, 2, "y")
     p.steps(5)(1, 1.0)
     assert stream.getvalue() == ""
+
+
+def test_piped_tables_keep_their_width(capsys):
+    from attnid.cli.app import _print_rows
+
+    rows = [{f"a_rather_long_column_{i}": f"value_{i}_{j}" for i in range(12)} for j in range(3)]
+    _print_rows(rows, "wide")
+    lines = capsys.readouterr().out.splitlines()
+    body = [ln for ln in lines if "value_0_" in ln]
+    assert len(body) == 3 and all("value_11_" in ln for ln in body), lines  # one line per row
+    assert max(len(ln) for ln in lines) > 250

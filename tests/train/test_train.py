@@ -168,3 +168,24 @@ def test_ctrl_c_in_the_cli_exits_130_with_one_line(tmp_path, capsys, monkeypatch
     code = main(["train", "--out", str(tmp_path / "x"), "--no-progress"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 130 and len(err) == 1 and "attnid train --resume" in err[0]
+
+
+@pytest.mark.parametrize("variant", [{}, {"rope": 1.0}, {"n_kv_heads": 2}, {"n_kv_heads": 2, "rope": 0.5}],
+                         ids=["mha", "rope", "gqa", "gqa+partial-rope"])
+def test_one_sgd_step_moves_c_only_at_second_order(tmp_path, variant):
+    """beta's C is the right conserved quantity: one float64 SGD step changes it by at most
+    ||lr g_QK||^2 (slope 2 in lr); the per-head unprojected quantity moves at first order
+    whenever RoPE or GQA make it the wrong one."""
+    from attnid.train.experiment import same_point_drift
+
+    model = GPTConfig(**{**TINY.to_dict(), **variant, "attn_bias": "qk"})
+    cfg = TrainConfig(model=model, optimizer="sgd", lr=0.1, steps=4, log_every=2, eval_every=4)
+    train(cfg, tmp_path / "r", progress=False)
+    lrs = (1e-3, 1e-2, 1e-1)
+    sp = same_point_drift(tmp_path / "r", lrs)
+    for lr, d, bound in zip(lrs, sp["drift_qk"], sp["step_sq_qk"], strict=True):
+        assert d <= bound, f"lr {lr}: drift {d:.3e} above ||lr g_QK||^2 = {bound:.3e}"
+    assert abs(sp["slope_qk"] - 2) < 0.02 and abs(sp["slope_vo"] - 2) < 0.02, sp
+    if variant:
+        assert abs(sp["slope_qk_naive"] - 1) < 0.2, sp["slope_qk_naive"]
+        assert sp["drift_qk_naive"][0] > 10 * sp["step_sq_qk"][0], sp

@@ -37,14 +37,20 @@ class Figure:
 
 @dataclass(frozen=True)
 class Table:
-    """``rows`` are written whole to CSV/JSON/MD; the report shows ``columns`` (key -> short
-    header; all keys when None), the first ``max_rows`` rows, and ``notes`` under it."""
+    """``rows`` are written whole to CSV/JSON/MD; the report shows ``view`` (default: ``rows``)
+    through ``columns`` (key -> short header; all keys when None), its first ``max_rows``
+    rows, and ``notes`` under it."""
 
     stem: str
     rows: list[dict[str, Any]]
     columns: dict[str, str] | None = None
     notes: tuple[str, ...] = ()
     max_rows: int = 40
+    view: list[dict[str, Any]] | None = None
+
+    @property
+    def shown(self) -> list[dict[str, Any]]:
+        return self.rows if self.view is None else self.view
 
 
 @dataclass(frozen=True)
@@ -127,10 +133,10 @@ def render_markdown(title: str, intro: str, sections: list[Section], status: str
         if s.claims:
             lines.append("")
         for t in s.tables:
-            shown = t.rows[: t.max_rows]
+            shown = t.shown[: t.max_rows]
             lines += [markdown_table(shown, t.columns)]
-            if len(t.rows) > len(shown):
-                lines += [f"({len(t.rows) - len(shown)} more rows in `tables/{t.stem}.csv`.)", ""]
+            if len(t.shown) > len(shown):
+                lines += [f"({len(t.shown) - len(shown)} more rows in `tables/{t.stem}.csv`.)", ""]
             lines += [*[f"{note}  " for note in t.notes],
                       f"All columns: `tables/{t.stem}.csv` (also `.json`, `.md`).", ""]
         for f in s.figures:

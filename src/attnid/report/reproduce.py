@@ -280,59 +280,69 @@ def table5(arbiter_widths: list[int]) -> tuple[list[dict], list[Claim]]:
 
 
 # ---- sections -------------------------------------------------------------------------------
-def paper_tables_sections(ctx: Context) -> list[Section]:
-    """Tables 1-5 of the paper, each as a section."""
-    say = ctx.progress.stage
-    say("Table 1: unidentified share against heads (closed form and arbiter)")
+def table1_section(ctx: Context) -> Section:
+    ctx.progress.stage("Table 1: unidentified share against heads (closed form and arbiter)")
     rows, claims = table1([8, 12, 16] if ctx.quick else [8, 12, 16, 24])
     fig1 = figure1(rows, ctx.figures / "fig1_ratio_vs_heads.png")
-    s1 = Section("Table 1: unidentified share against heads",
-                 "Plain multi-head attention: the closed form and the Jacobian-rank arbiter.",
-                 (Table("table1_ratio_vs_heads", rows,
-                        {"d_model": "d_model", "heads": "H", "params": "params",
-                         "unidentified_theory": "unid. (theory)", "unidentified_arbiter": "unid. (arbiter)",
-                         "ratio_theory": "ratio", "one_over_2H": "1/(2H)", "agree": "agree"}),),
-                 (Figure(fig1, "Unidentified share of a plain attention layer against its number of heads. "
-                          "The arbiter's counts (markers, one per width) lie on the closed form 1/(2H) "
-                          "for every width: the share depends on H only."),),
-                 tuple(claims))
-    say("Table 2: biases")
+    return Section("Table 1: unidentified share against heads",
+                   "Plain multi-head attention: the closed form and the Jacobian-rank arbiter.",
+                   (Table("table1_ratio_vs_heads", rows,
+                          {"d_model": "d_model", "heads": "H", "params": "params",
+                           "unidentified_theory": "unid. (theory)", "unidentified_arbiter": "unid. (arbiter)",
+                           "ratio_theory": "ratio", "one_over_2H": "1/(2H)", "agree": "agree"}),),
+                   (Figure(fig1, "Unidentified share of a plain attention layer against its number of heads. "
+                            "The arbiter's counts (markers, one per width) lie on the closed form 1/(2H) "
+                            "for every width: the share depends on H only."),),
+                   tuple(claims))
+
+
+def table2_section(ctx: Context) -> Section:
+    ctx.progress.stage("Table 2: biases")
     rows, claims = table2(8)
-    s2 = Section("Table 2: every subset of the biases", "d_model = 8, one and four heads.",
-                 (Table("table2_biases", rows,
-                        {"heads": "H", "biases": "biases", "params": "params",
-                         "unidentified_theory": "unid. (theory)", "unidentified_arbiter": "unid. (arbiter)",
-                         "key_bias_unidentified": "key bias unid.",
-                         "value_bias_unidentified": "value bias unid.",
-                         "agree": "agree"}),), (), tuple(claims))
-    say("Table 3: modern variants")
+    return Section("Table 2: every subset of the biases", "d_model = 8, one and four heads.",
+                   (Table("table2_biases", rows,
+                          {"heads": "H", "biases": "biases", "params": "params",
+                           "unidentified_theory": "unid. (theory)", "unidentified_arbiter": "unid. (arbiter)",
+                           "key_bias_unidentified": "key bias unid.",
+                           "value_bias_unidentified": "value bias unid.", "agree": "agree"}),),
+                   (), tuple(claims))
+
+
+def table3_section(ctx: Context) -> Section:
+    ctx.progress.stage("Table 3: modern variants")
     rows, claims = table3()
-    s3 = Section("Table 3: RoPE, GQA/MQA, QK-norm", "Each count confirmed by the arbiter at a second seed.",
-                 (Table("table3_variants", rows,
-                        {"variant": "variant", "params": "params", "unidentified_theory": "unid. (theory)",
-                         "unidentified_arbiter": "unid. (arbiter)", "near_theory": "near (theory)",
-                         "near_arbiter": "near (arbiter)", "ratio": "ratio", "agree": "agree"},
-                        ("near: near-unidentified, null at QK-norm eps = 0 but not at the given eps. "
-                         "The full spec of each variant is in the CSV.",)),), (), tuple(claims))
-    say("Table 4: model families")
+    return Section("Table 3: RoPE, GQA/MQA, QK-norm", "Each count confirmed by the arbiter at a second seed.",
+                   (Table("table3_variants", rows,
+                          {"variant": "variant", "params": "params", "unidentified_theory": "unid. (theory)",
+                           "unidentified_arbiter": "unid. (arbiter)", "near_theory": "near (theory)",
+                           "near_arbiter": "near (arbiter)", "ratio": "ratio", "agree": "agree"},
+                          ("near: near-unidentified, null at QK-norm eps = 0 but not at the given eps. "
+                           "The full spec of each variant is in the CSV.",)),), (), tuple(claims))
+
+
+def table4_section(ctx: Context) -> Section:
+    ctx.progress.stage("Table 4: model families")
     rows, claims, view, notes = table4()
-    s4 = Section("Table 4: real model families", "Counted from each model's configuration (bundled).",
-                 (Table("table4_models", view, TABLE4_COLUMNS, notes),), (), tuple(claims))
-    say("Table 5: single-head equivalence")
+    return Section("Table 4: real model families", "Counted from each model's configuration (bundled).",
+                   (Table("table4_models", rows, TABLE4_COLUMNS, notes, view=view),), (), tuple(claims))
+
+
+def table5_section(ctx: Context) -> Section:
+    ctx.progress.stage("Table 5: single-head equivalence")
     rows, claims = table5([4, 6] if ctx.quick else [4, 6, 8])
-    s5 = Section("Table 5: single-head equivalence (Section 4.10)",
-                 "E0 = ceil(E sqrt(2 - 1/H)): the smallest width at which one head is as identified "
-                 "as H heads.",
-                 (Table("table5_single_head", rows,
-                        {"E": "E", "H": "H", "identified_H_heads": "identified, H heads", "E0_formula": "E0",
-                         "identified_single_E0": "1 head at E0",
-                         "identified_single_E0_minus_1": "1 head at E0-1",
-                         "identified_single_E": "1 head at E", "formula_is_minimal": "E0 minimal",
-                         "arbiter_identified_single_E0": "arbiter, 1 head at E0",
-                         "arbiter_identified_H_heads": "arbiter, H heads"},
-                        ("arbiter columns: counted directly for the small widths only (— elsewhere).",)),),
-                 (), tuple(claims))
-    return [s1, s2, s3, s4, s5]
+    return Section("Table 5: single-head equivalence (Section 4.10)",
+                   "E0 = ceil(E sqrt(2 - 1/H)): the smallest width at which one head is as identified "
+                   "as H heads.",
+                   (Table("table5_single_head", rows,
+                          {"E": "E", "H": "H", "identified_H_heads": "identified, H heads",
+                           "E0_formula": "E0",
+                           "identified_single_E0": "1 head at E0",
+                           "identified_single_E0_minus_1": "1 head at E0-1",
+                           "identified_single_E": "1 head at E", "formula_is_minimal": "E0 minimal",
+                           "arbiter_identified_single_E0": "arbiter, 1 head at E0",
+                           "arbiter_identified_H_heads": "arbiter, H heads"},
+                          ("arbiter columns: counted directly for the small widths only (— elsewhere).",)),),
+                   (), tuple(claims))
 
 
 def training_sections(ctx: Context) -> list[Section]:
@@ -345,7 +355,8 @@ def training_sections(ctx: Context) -> list[Section]:
 
 SectionFn = Callable[[Context], "Section | list[Section]"]
 # the report, in order; other sections plug in here
-SECTIONS: list[SectionFn] = [paper_tables_sections, training_sections]
+SECTIONS: list[SectionFn] = [table1_section, table2_section, table3_section, table4_section, table5_section,
+                             training_sections]
 
 
 # ---- assembling -------------------------------------------------------------------------------

@@ -45,8 +45,7 @@ def fig2(data: ExperimentData, cases: list[str], side: str, path: Path, heading:
         row[0].legend(fontsize=7)
         row[0].set_ylabel(title(case), fontsize=9)
         row[1].plot(s, r["update_norm"], color="tab:red", lw=0.8)
-        row[1].set_yscale("log")
-        row[1].yaxis.set_minor_formatter(NullFormatter())
+        row[1].set_ylim(0, 1.05 * float(np.max(r["update_norm"])))
         rho = r[f"rho_{side}"]
         row[2].fill_between(s, rho.min(1), rho.max(1), alpha=0.25, color="tab:blue", lw=0)
         row[2].plot(s, np.median(rho, 1), lw=1.2, color="tab:blue", label="median")
@@ -158,7 +157,8 @@ def fig5_second_order(data: ExperimentData, path: Path) -> Path:
             bound = np.cumsum(run["update_sq_qk"][1:].sum(1))
             moved = np.abs(run["beta_qk"][1:] - run["beta_qk"][0]).max(1)
             c.plot(run["step"][1:], moved, color=colors[prefix], label=f"{label}: max |Δbeta_qk| over heads")
-            c.plot(run["step"][1:], bound, color=colors[prefix], ls=":", label=f"{label}: bound Σ||Δw_QK||²")
+            c.plot(run["step"][1:], bound, color=colors[prefix], ls=":",
+                   label=f"{label}: bound Σ||Δw_QK||² (all layers)")
     a.set_yscale("log")
     _lr_axis(a, SWEEP_LRS)
     a.set_ylabel("drift of one float64 step")
@@ -374,9 +374,8 @@ SUMMARY_COLUMNS = {"case": "run", "final_train_loss": "train loss", "final_val_l
                    "beta_qk_last": "beta_qk last", "sum_update_sq_qk": "Σ‖Δw_QK‖²"}
 
 
-def training_section(data: ExperimentData, figures: Path) -> Section:
-    """Figures under ``figures``, the summary table and every claim of the training runs."""
-    figures.mkdir(parents=True, exist_ok=True)
+def _paper_figures(data: ExperimentData, figures: Path) -> list[Figure]:
+    """Figs. 2-4 of the paper, on the plain (MHA) runs."""
     paper = list(PAPER_CASES)
     sweep = [n for n in data.runs if n.startswith("sweep_")]
     figs = [
@@ -388,16 +387,22 @@ def training_section(data: ExperimentData, figures: Path) -> Section:
                "The same on the value/output side: the same pattern as QK."),
         Figure(fig3(data, paper, figures / "fig3_bias_grads.png"),
                "The paper's Fig. 3: the key-bias gradient (right) stays at float32 rounding level in "
-               "every case, while the query-bias gradient (left) is of normal size."),
+               "every case, many orders below the query-bias gradient (left) on the same scale."),
     ]
-    slope = {side: fig4(data, sweep, side, figures / f"fig4_drift_{side}.png") for side in ("qk", "vo")}
-    figs += [Figure(figures / f"fig4_drift_{side}.png",
-                    f"The paper's Fig. 4 ({side.upper()}). Left: drift of one step along the run for each "
-                    f"SGD lr. Right: against lr; whole runs give slope {slope[side]:.2f} because each lr "
-                    "follows its own trajectory; one float64 step from the same weights gives slope 2.")
-             for side in ("qk", "vo")]
-    found = claims(data, share=qk_share(data.configs["adamw"].model.attention_spec()))
-    found.append(sweep_claim(data, sweep))
+    for side in ("qk", "vo"):
+        slope = fig4(data, sweep, side, figures / f"fig4_drift_{side}.png")
+        figs.append(Figure(figures / f"fig4_drift_{side}.png",
+                           f"The paper's Fig. 4 ({side.upper()}). Left: drift of one step along the run "
+                           f"for each SGD lr. Right: against lr; whole runs give slope {slope:.2f} because "
+                           "each lr follows its own trajectory; one float64 step from the same weights "
+                           "gives slope 2."))
+    return figs
+
+
+def _variant_parts(data: ExperimentData, figures: Path) -> tuple[list[Figure], list[Claim]]:
+    """Fig. 2 and the claims on the RoPE and GQA variants."""
+    figs: list[Figure] = []
+    found: list[Claim] = []
     for prefix in (p for p in VARIANTS if p):
         cases = [prefix + c for c in PAPER_CASES]
         if not all(c in data.runs for c in cases):
@@ -409,20 +414,39 @@ def training_section(data: ExperimentData, figures: Path) -> Section:
         spec = data.configs[prefix + "adamw"].model.attention_spec()
         free = spec.pass_dims > 0 and spec.qk_norm == "none"
         found += claims(data, prefix, share=qk_share(spec), key_bias_free=free)
+    return figs, found
+
+
+def _projection_parts(data: ExperimentData, figures: Path) -> tuple[list[Figure], list[Claim]]:
+    if "adamw_project" not in data.runs:
+        return [], []
+    fig = Figure(fig2(data, ["adamw", "adamw_project"], "qk", figures / "fig_project.png",
+                      "AdamW with and without the project correction"),
+                 "The project correction (bottom) removes the orbit part of every AdamW update: "
+                 "rho_qk drops to zero and beta_qk stays nearly flat, as under SGD.")
+    rp = float(np.max(data.runs["adamw_project"]["rho_qk"][1:]))
+    return [fig], [Claim(SECTION, "the project correction removes all orbit motion (rho_qk = 0)",
+                         rp < LIMITS.projection_rho, f"max rho_qk with projection {rp:.2e}")]
+
+
+def training_section(data: ExperimentData, figures: Path) -> Section:
+    """Figures under ``figures``, the summary table and every claim of the training runs."""
+    figures.mkdir(parents=True, exist_ok=True)
+    figs = _paper_figures(data, figures)
+    found = claims(data, share=qk_share(data.configs["adamw"].model.attention_spec()))
+    found.append(sweep_claim(data, [n for n in data.runs if n.startswith("sweep_")]))
+    more_figs, more_claims = _variant_parts(data, figures)
+    figs += more_figs
+    found += more_claims
     figs.append(Figure(fig5_second_order(data, figures / "fig5_second_order.png"),
                        "Why SGD's beta_qk moves on RoPE and GQA. Left: one float64 step from the trained "
                        "weights drifts C_QK like lr² (slope 2) for every variant, while the unprojected "
                        "per-head quantity drifts like lr, so beta is the right conserved quantity. Middle: "
                        "every logged step's drift is below ||Δw||². Right: over the run, beta moves far "
-                       "less than the sum of squared QK steps allows; RoPE and GQA take larger steps."))
-    if "adamw_project" in data.runs:
-        figs.append(Figure(fig2(data, ["adamw", "adamw_project"], "qk", figures / "fig_project.png",
-                                "AdamW with and without the project correction"),
-                           "The project correction (bottom) removes the orbit part of every AdamW update: "
-                           "rho_qk drops to zero and beta_qk stays at its initial value."))
-        rp = float(np.max(data.runs["adamw_project"]["rho_qk"][1:]))
-        found.append(Claim(SECTION, "the project correction removes all orbit motion (rho_qk = 0)",
-                           rp < LIMITS.projection_rho, f"max rho_qk with projection {rp:.2e}"))
+                       "less than the sum of squared QK steps allows."))
+    proj_figs, proj_claims = _projection_parts(data, figures)
+    figs += proj_figs
+    found += proj_claims
     text = ("The paper's Section 5 on the small GPT (character-level Shakespeare), and beyond it: "
             "the four cases on a RoPE and a GQA variant, and AdamW with the project correction. "
             "rho: tangent (orbit) share of an update; beta = ||C||_F of the conserved quantity C; "
