@@ -250,6 +250,11 @@ def _markdown(rep, rows, acc0, steps, batch_size, n_eval, claims) -> str:
         lines.append(f"| {r['optimizer']} | {r['final_loss']:.3f} | {r['rho_qk_median']:.2e} | "
                      f"{r['rho_vo_median']:.2e} | {r['drift_qk_median']:.2e} | {r['drift_vo_median']:.2e} | "
                      f"{r['gauge_share']:.3f} | {r['retrieval_accuracy']:.3f} |")
+    best = max(r["retrieval_accuracy"] for r in rows)
+    if best <= acc0 + 0.01:
+        lines += ["", f"At this budget no optimizer improves held-out retrieval over the pretrained "
+                  f"{acc0:.3f} (best {best:.3f}): the accuracy column says only that projection does not "
+                  "hurt, not that it helps."]
     lines += ["", "Drift: median over heads of ||C_end - C_pretrained|| / ||C_pretrained||. Gauge share: "
               "the share of the squared weight change (start to end, attention only) that `attnid diff` "
               "attributes to the symmetry group.", ""]
