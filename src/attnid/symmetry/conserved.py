@@ -1,4 +1,5 @@
-"""Conserved quantities of gradient flow and the paper's metrics, per head/group, QK and VO.
+"""Conserved quantities of gradient flow and the paper's metrics, per head/group, QK and VO
+(docs/theory.md §9).
 
 Gradients are orthogonal to the orbit, so gradient flow conserves, per key group,
 ``C_QK = sum_{h in g} W~_Q^hT W~_Q^h - W~_K^gT W~_K^g`` and per value group

@@ -2,7 +2,7 @@
 
 The least-squares generators solve the normal equations ``T*T x = T* delta``. For the
 plain gauge these are Sylvester equations (``G_Q M + M G_K = W_Q^T dW_Q - dW_K^T W_K``),
-solved exactly with two symmetric eigendecompositions per group (THEORY.md); the RoPE
+solved exactly with two symmetric eigendecompositions per group (docs/theory.md §10.4); the RoPE
 commutant, the bias translations and the QK-norm directions couple them, so the solve is
 preconditioned conjugate gradients with that Sylvester solve as the preconditioner (one
 iteration when nothing couples).

@@ -1,4 +1,4 @@
-"""Rebalancing: a function-preserving move along the orbit to the balanced point.
+"""Rebalancing: a function-preserving move along the orbit to the balanced point (docs/theory.md §11).
 
 For a pair ``A [n1, k]``, ``B [n2, k]`` acted on by ``A S, B S^{-T}`` (QK: the group's
 stacked query heads and its keys; VO: the values and the stacked transposed outputs):

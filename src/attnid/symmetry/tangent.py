@@ -1,4 +1,4 @@
-"""The orbit's tangent map ``T`` and its adjoint, for QK and VO, every variant.
+"""The orbit's tangent map ``T`` and its adjoint, for QK and VO, every variant (docs/theory.md §10).
 
 A tangent direction is parametrised by *generators* (one set per layer):
 
