@@ -3,12 +3,14 @@
     python benchmarks/numeric.py            # sizes up to ~9,000 parameters
     python benchmarks/numeric.py --big      # plus a ~20,000-parameter layer (about an hour)
     python benchmarks/numeric.py --big-only # just the arbiter on that layer (~40 minutes)
+    python benchmarks/numeric.py --verify   # `attnid verify` (default settings) at P = 4,096
 
 (a) `attnid.jacobian_rank` end to end (inputs, sketch, SVD);
 (b) naive: `torch.autograd.functional.jacobian` on the same inputs, then
     `torch.linalg.matrix_rank`;
 (c) floor: `torch.linalg.svdvals` of a random float64 P x P matrix.
-Prints a/b and a/c per size.
+Prints a/b and a/c per size. ``--verify``: `attnid.verify` with its default settings (a
+second look only when needed) against (c) at the same P, and the forced second look.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import time
 
 import torch
 
-from attnid import Attention, AttentionSpec, count, jacobian_rank, randomize_
+from attnid import Attention, AttentionSpec, count, jacobian_rank, randomize_, verify
 from attnid.arbiter.rank import default_forward, forward_call, sequences_needed
 
 
@@ -47,7 +49,12 @@ def main() -> None:
     ap.add_argument("--naive-max", type=int, default=4100, help="largest P for the naive route")
     ap.add_argument("--big-only", action="store_true",
                     help="only decide a ~20,000-parameter layer with the arbiter (time, peak memory)")
+    ap.add_argument("--verify", action="store_true",
+                    help="only `attnid verify` (default settings) at P = 4,096 against the floor")
     args = ap.parse_args()
+    if args.verify:
+        verify_against_floor()
+        return
     if args.big_only:
         spec = AttentionSpec(d_model=72, n_heads=8)
         res, t = timed(lambda: jacobian_rank(randomize_(Attention(spec).double(), 0)))
@@ -79,6 +86,23 @@ def main() -> None:
               f" {t_c:>8.2f} {t_a / t_b:>6.2f} {t_a / t_c:>6.2f}", flush=True)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print(f"peak resident memory {peak:.2f} GB")
+
+
+def verify_against_floor(d_model: int = 32, n_heads: int = 4) -> None:
+    """`attnid verify --d-model 32 --n-heads 4` (P = 4,096): default, and with the second look
+    forced, each against one dense svdvals of the same size, measured in the same run."""
+    spec = AttentionSpec(d_model=d_model, n_heads=n_heads)
+    P = count(spec).total
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, P = {P}")
+    verify(AttentionSpec(d_model=4, n_heads=2))  # process start-up paid before timing
+    _, t_floor = timed(lambda: torch.linalg.svdvals(torch.randn(P, P, dtype=torch.float64)))
+    res, t_default = timed(lambda: verify(spec))
+    forced, t_forced = timed(lambda: verify(spec, confirm=True))
+    assert res.agree and forced.agree, (res.to_dict(), forced.to_dict())
+    print(f"verify (default: second look {'taken' if res.confirm else 'not needed'}, gap "
+          f"{res.arbiter.spectral_gap:.1e}) {t_default:.1f} s = {t_default / t_floor:.2f} x the floor "
+          f"({t_floor:.1f} s); with the second look forced {t_forced:.1f} s = "
+          f"{t_forced / t_floor:.2f} x", flush=True)
 
 
 if __name__ == "__main__":

@@ -104,3 +104,12 @@ def test_import_attnid_stays_light():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          check=True).stdout
     assert out.strip() == "[]", f"import attnid loaded {out.strip()}"
+
+
+def test_no_private_torch_apis():
+    # torch's private helpers change without notice; attnid uses public ones (torch.func)
+    hits = [f"{m}: {n}" for m, path in MODULES.items() for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch")
+            for n in [a.name for a in node.names] + (node.module or "").split(".")
+            if n.startswith("_") and n != "__future__"]
+    assert not hits, hits

@@ -134,3 +134,26 @@ def test_hooks_work_on_hugging_face_models(arch, extra):
         after = model(input_ids=ids).logits
     err = float((after - before).norm() / before.norm())
     assert err < 1e-10, f"rebalancing a Hugging Face model changed its logits by {err:.2e}"
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.describe())
+def test_float32_model_is_measured_like_its_float64_copy(spec: AttentionSpec):
+    # the monitor keeps float32 snapshots (big products in float32, small ones in float64):
+    # its metrics must match a float64 measurement of the very same two points
+    torch.manual_seed(1)
+    model = TwoLayers(spec)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mon = Monitor(model)
+    x = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(1))
+    for _ in range(2):  # the second step reuses the first one's end point
+        _step(model, opt, x)
+        before = mon.batches.snapshot()  # the same two points, copied by the test
+        with mon.step():
+            opt.step()
+        after = mon.batches.snapshot()
+    assert before[0].W_Q.dtype == torch.float32
+    ref = mon.measure([w.to(torch.float64) for w in before], [w.to(torch.float64) for w in after])
+    for key in ("rho_qk", "rho_vo", "beta_qk", "beta_vo", "mu_qk", "drift_vo", "update_norm"):
+        got, want = torch.tensor(mon.last[key]), torch.tensor(ref[key])
+        err = float((got - want).abs().max() / want.abs().max())
+        assert err < 1e-5, f"{key}: float32 snapshots vs float64 relative error {err:.2e}"

@@ -41,20 +41,40 @@ class _Batches:
             groups.setdefault(acc.spec, []).append(i)
         self.groups = list(groups.values())
 
-    def snapshot(self) -> list[AttentionWeights]:
-        """One stacked float64 copy per spec group."""
-        return [AttentionWeights.stack([self.layers[i].get() for i in idx]).to(torch.float64)
-                for idx in self.groups]
+    def snapshot(self, dtype: torch.dtype | None = None, *,
+                 unless_equal: list[AttentionWeights] | None = None) -> list[AttentionWeights]:
+        """One stacked copy per spec group: in the model's dtype (one copy, no conversion) or
+        in ``dtype``. ``unless_equal``: an earlier snapshot returned as it is (with the Gram
+        matrices it has cached) when the layers still hold exactly its values."""
+        current = [[self.layers[i].get() for i in idx] for idx in self.groups]
+        if unless_equal is not None and all(
+                _equal(layer, old, j) for now, old in zip(current, unless_equal, strict=True)
+                for j, layer in enumerate(now)):
+            return unless_equal
+        out = []
+        for layers in current:
+            w = AttentionWeights.stack(layers)
+            out.append(w if dtype is None or w.W_Q.dtype == dtype else w.to(dtype))
+        return out
 
     def write(self, stacks: list[AttentionWeights]) -> None:
+        """Write stacked weights back, each layer in its own dtype."""
         for idx, w in zip(self.groups, stacks, strict=True):
             for i, layer_w in zip(idx, w.unstack(), strict=True):
                 dtype = self.layers[i].get().W_Q.dtype
                 self.layers[i].set(layer_w.to(dtype))
 
 
+def _equal(layer: AttentionWeights, stacked: AttentionWeights, j: int) -> bool:
+    """Whether ``layer`` holds exactly the values of entry ``j`` of ``stacked``."""
+    return all(t.dtype == stacked[n].dtype and torch.equal(t, stacked[n][j]) for n, t in layer.items())
+
+
 class Monitor:
     """Records, around each optimizer step, the paper's metrics for every attention layer.
+
+    Snapshots stay in the model's dtype; the big products (Gram matrices, ``W^T dW``) run in
+    it and everything derived from them (generators, metrics) is float64.
 
     ``last`` holds per-metric lists indexed ``[layer][group]``: ``rho_qk, rho_vo`` (tangent
     share of the applied update), ``beta_*, tau_*, mu_*, drift_*`` (conserved quantity
@@ -66,6 +86,7 @@ class Monitor:
         self.batches = _Batches(model)
         self.near = near
         self.last: dict[str, list] = {}
+        self._after: list[AttentionWeights] | None = None  # the last step's end point
 
     @property
     def layer_names(self) -> list[str]:
@@ -74,9 +95,9 @@ class Monitor:
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
         grads = self._bias_grads()
-        before = self.batches.snapshot()
+        before = self.batches.snapshot(unless_equal=self._after)  # usually: no copy, Grams known
         yield
-        after = self.batches.snapshot()
+        after = self._after = self.batches.snapshot()
         self.last = self.measure(before, after)
         self.last.update(grads)
 
@@ -97,11 +118,12 @@ class Monitor:
         n = len(self.batches.layers)
         out: dict[str, list] = {}
         for idx, w0, w1 in zip(self.batches.groups, before, after, strict=True):
-            delta = w1 - w0
+            delta = w1 - w0  # in the model's dtype; everything small below is float64
             vals = metrics(w0, w1)
-            for side in ("qk", "vo"):
-                vals[f"rho_{side}"] = project(w0, delta, side, near=self.near).rho
-            vals["update_norm"] = delta.dot(delta).sqrt()
+            sides = {side: project(w0, delta, side, near=self.near) for side in ("qk", "vo")}
+            for side, p in sides.items():
+                vals[f"rho_{side}"] = p.rho
+            vals["update_norm"] = (sides["qk"].delta_sq + sides["vo"].delta_sq).sqrt()
             for key, t in vals.items():
                 rows = out.setdefault(key, [None] * n)
                 for j, i in enumerate(idx):
@@ -123,15 +145,16 @@ class Corrector:
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
-        before = self.batches.snapshot() if self.mode == "project" else None
+        before = self.batches.snapshot(torch.float64) if self.mode == "project" else None
         yield
         self.steps += 1
         if self.mode == "project":
-            after = self.batches.snapshot()
+            after = self.batches.snapshot(torch.float64)
             self.batches.write([w0 + remove_tangent(w0, w1 - w0, near=self.near)
                                 for w0, w1 in zip(before, after, strict=True)])
         elif self.mode == "rebalance" and self.steps % self.every == 0:
-            self.batches.write([rebalance(w, group="auto") for w in self.batches.snapshot()])
+            self.batches.write([rebalance(w, group="auto")
+                                for w in self.batches.snapshot(torch.float64)])
 
 
 def parse_correction(correction: str) -> tuple[str, int]:

@@ -1,6 +1,6 @@
 """`AttentionSpec`: a frozen, validated description of one attention layer.
 
-Notation follows THEORY.md: ``d`` = ``d_model``, ``H`` query heads, ``G`` key/value
+Notation follows docs/theory.md §1.1: ``d`` = ``d_model``, ``H`` query heads, ``G`` key/value
 groups (``n_kv_heads``), ``d_k`` = ``head_dim``, ``d_v`` = ``v_head_dim``.
 """
 

@@ -2,8 +2,8 @@
 
 In the manner of ``e3nn.util.test``: one tolerance table per dtype, an assertion that a
 transform preserved a function (reporting the measured error), the invariant-map oracle
-behind the wide QK-norm count (docs/theory.md §QKNORM-WIDE) and a check that RoPE scores
-depend only on the relative position ``m - n`` (docs/theory.md §ROPE).
+behind the wide QK-norm count (docs/theory.md §7.1) and a check that RoPE scores
+depend only on the relative position ``m - n`` (docs/theory.md §5.1).
 
     from attnid.testing import assert_function_preserved
     assert_function_preserved(old_layer, new_layer, x)   # raises AssertionError with the error
@@ -133,7 +133,7 @@ def invariant_jacobian(spec: AttentionSpec, seed: int = 0) -> tuple[torch.Tensor
 
     The invariants per head: the pass-through bilinear form, per rotated plane its cosine
     and sine forms, the query rows' Gram ``Q_h = A_h A_h^T``; per key group ``K_g``
-    (docs/theory.md §QKNORM-WIDE). Parameters: ``A [H, a, dk]``, ``B [G, b, dk]`` (bias rows
+    (docs/theory.md §7.1). Parameters: ``A [H, a, dk]``, ``B [G, b, dk]`` (bias rows
     appended) and both gains. Also returns the row of each ``Q_h``'s and ``K_g``'s last
     diagonal entry (the bias direction, which an epsilon absorbed by a bias moves).
     """

@@ -164,6 +164,8 @@ def group_sum_out(w: AttentionWeights) -> torch.Tensor:
     """``Wsum_g = sum_{h in g} W_O^h``: ``[..., G, dv, d]``."""
     s = w.spec
     W = w.W_O
+    if s.group_size == 1:  # one head per group: W_O itself (a view, no copy)
+        return W
     return W.reshape(*W.shape[:-3], s.n_kv_heads, s.group_size, *W.shape[-2:]).sum(-3)
 
 

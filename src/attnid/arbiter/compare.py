@@ -1,7 +1,7 @@
 """Closed form against the arbiter, for one spec: what ``attnid verify`` runs.
 
 A second look (another random point, twice the sequences) is taken only when the first
-can be doubted (docs/theory.md §ARBITER): the arbiter disagrees with the closed form, or a
+can be doubted (docs/theory.md §12.3-§12.4): the arbiter disagrees with the closed form, or a
 spectral gap is under :data:`CLEAR_GAP`. The arbiter's errors are one-sided: at a random
 point with enough rows the computed nullity can only exceed the generic one (an unlucky
 point or too few rows lose rank, never add it), and a wide gap rules out a threshold

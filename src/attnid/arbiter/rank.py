@@ -8,10 +8,11 @@ Method. Rows of the Jacobian ``J`` (``N x P``, ``N >= 3P`` outputs over many
 independent sequences) are never stored. Instead ``S = Omega J`` with a Gaussian
 ``Omega`` of ``P + oversample`` rows is built by batched vector-Jacobian products
 (``torch.func.vjp`` under ``vmap``, chunked so memory stays bounded), and the singular
-values of ``S`` are computed once. ``rank(S) = rank(J)`` with probability one, and
+values of ``S`` are computed once. ``rank(S) = rank(J)`` with probability one (docs/theory.md
+§12.2), and
 ``S`` is barely larger than the ``P x P`` floor of any exact dense rank decision.
 
-Near-unidentified directions have one definition (docs/theory.md §NEAR): null when the
+Near-unidentified directions have one definition (docs/theory.md §12.5): null when the
 norms' epsilon is 0 but not at the given epsilon. :func:`near_unidentified` is that
 definition; :func:`jacobian_rank` applies it when given ``without_eps``; nothing reads
 "near" off a singular-value band.
@@ -38,7 +39,7 @@ EpsFreeFn = Callable[[nn.Module], nn.Module]  # a copy of the module with every 
 
 # Relative singular-value thresholds (sigma / sigma_max), by working precision.
 # float64 kernels put exact symmetries near 1e-15; kernels that compute softmax or
-# rotary tables in float32 put them near 1e-8 (docs/theory.md §ARBITER).
+# rotary tables in float32 put them near 1e-8 (docs/theory.md §12.4, §12.6).
 EXACT_RTOL = {"float64": 1e-10, "float32": 1e-6}
 
 

@@ -1,4 +1,5 @@
-"""Conserved quantities of gradient flow and the paper's metrics, per head/group, QK and VO.
+"""Conserved quantities of gradient flow and the paper's metrics, per head/group, QK and VO
+(docs/theory.md §9).
 
 Gradients are orthogonal to the orbit, so gradient flow conserves, per key group,
 ``C_QK = sum_{h in g} W~_Q^hT W~_Q^h - W~_K^gT W~_K^g`` and per value group
@@ -16,11 +17,11 @@ from attnid.weights import AttentionWeights, grams
 
 
 def conserved(w: AttentionWeights, side: str) -> torch.Tensor:
-    """The conserved quantity: ``[..., G, k, k]`` (QK-norm QK side: ``[..., dk]``)."""
+    """The conserved quantity, float64: ``[..., G, k, k]`` (QK-norm QK side: ``[..., dk]``)."""
     s = w.spec
     if side == "qk" and s.qk_norm != "none":
-        return project_tied(w.g_Q**2 - w.g_K**2, s)
-    left, right = grams(w, side)
+        return project_tied(w.g_Q.double() ** 2 - w.g_K.double() ** 2, s)
+    left, right = (g.double() for g in grams(w, side))
     C = left - right
     return project_commutant(C, s) if side == "qk" else C
 
@@ -39,7 +40,7 @@ def metrics(before: AttentionWeights, after: AttentionWeights | None = None) -> 
         mat = C.ndim >= 2 and not (side == "qk" and point.spec.qk_norm != "none")
         out[f"beta_{side}"] = C.flatten(-2).norm(dim=-1) if mat else C.norm(dim=-1)
         out[f"tau_{side}"] = C.diagonal(dim1=-2, dim2=-1).sum(-1) if mat else C.sum(-1)
-        left, right = grams(point, side)
+        left, right = (g.double() for g in grams(point, side))
         out[f"mu_{side}"] = torch.linalg.eigvalsh(left)[..., 0] + torch.linalg.eigvalsh(right)[..., 0]
         if after is not None:
             diff = C - conserved(before, side)

@@ -2,7 +2,7 @@
 
 The least-squares generators solve the normal equations ``T*T x = T* delta``. For the
 plain gauge these are Sylvester equations (``G_Q M + M G_K = W_Q^T dW_Q - dW_K^T W_K``),
-solved exactly with two symmetric eigendecompositions per group (THEORY.md); the RoPE
+solved exactly with two symmetric eigendecompositions per group (docs/theory.md §10.4); the RoPE
 commutant, the bias translations and the QK-norm directions couple them, so the solve is
 preconditioned conjugate gradients with that Sylvester solve as the preconditioner (one
 iteration when nothing couples).
@@ -11,10 +11,11 @@ iteration when nothing couples).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
-from attnid.symmetry.tangent import Gens, TangentMap, side_names
+from attnid.symmetry.tangent import Gens, TangentMap, side_names, squared_norm
 from attnid.weights import AttentionWeights, group_sum_out, pass_mask
 
 
@@ -43,10 +44,10 @@ class _Preconditioner:
 
     def __init__(self, tmap: TangentMap) -> None:
         self.tmap = tmap
-        w, s = tmap.w, tmap.spec
+        w, s = tmap.small, tmap.spec
         self.eig: tuple[torch.Tensor, ...] | None = None
         self.diag: dict[str, torch.Tensor] = {}
-        self.D_chol: torch.Tensor | None = None
+        self.D_inv: torch.Tensor | None = None
         gens = tmap.zeros()
         self.main = "M" if "M" in gens else ("C" if "C" in gens else None)
         self.trans = "kappa" if "kappa" in gens else ("nu" if "nu" in gens else None)
@@ -54,24 +55,21 @@ class _Preconditioner:
         if self.main == "M":
             Gk = gr["GK"]
             if self.trans is not None:  # kappa frees b_K's pass-through dims: keep the rest
-                kept = w.b_K * (1 - pass_mask(s, w.b_K))
-                Gk = (Gk - w.b_K.unsqueeze(-1) * w.b_K.unsqueeze(-2)
+                kept = w["b_K"] * (1 - pass_mask(s, w["b_K"]))
+                Gk = (Gk - w["b_K"].unsqueeze(-1) * w["b_K"].unsqueeze(-2)
                       + kept.unsqueeze(-1) * kept.unsqueeze(-2))
             self.eig = (*torch.linalg.eigh(gr["GQ"]), *torch.linalg.eigh(Gk))
         elif self.main == "C":
             Gv = gr["GV"]
-            if self.trans is not None and w.b_O is not None:  # nu frees all of b_V
-                Gv = Gv - w.b_V.unsqueeze(-1) * w.b_V.unsqueeze(-2)
+            if self.trans is not None and tmap.w.b_O is not None:  # nu frees all of b_V
+                Gv = Gv - w["b_V"].unsqueeze(-1) * w["b_V"].unsqueeze(-2)
             self.eig = (*torch.linalg.eigh(Gv), *torch.linalg.eigh(gr["GO"]))
-        if self.trans == "nu" and w.b_O is not None:
-            W = group_sum_out(w).reshape(*w.batch_shape, s.n_kv_heads * s.v_head_dim, s.d_model)
-            D = W @ W.transpose(-1, -2) + torch.eye(W.shape[-2], dtype=W.dtype, device=W.device)
-            self.D_chol = torch.linalg.cholesky(D)
+        if self.trans == "nu" and tmap.w.b_O is not None:
+            self.D_inv = _translation_inverse(tmap)
         if "t" in gens:
-            self.diag["t"] = w.g_Q**2 + w.g_K**2
+            self.diag["t"] = w["g_Q"] ** 2 + w["g_K"] ** 2
         if "s_q" in gens:
-            self.diag["s_q"] = (w.W_Q**2).sum((-1, -2)) + (0 if w.b_Q is None else (w.b_Q**2).sum(-1))
-            self.diag["s_k"] = (w.W_K**2).sum((-1, -2)) + (0 if w.b_K is None else (w.b_K**2).sum(-1))
+            self.diag["s_q"], self.diag["s_k"] = gr["sq"], gr["sk"]
 
     def _sylvester(self, v: torch.Tensor) -> torch.Tensor:
         la, U, mu, V = self.eig  # type: ignore[misc]
@@ -79,16 +77,10 @@ class _Preconditioner:
         return U @ X @ V.transpose(-1, -2)
 
     def _d_inv(self, v: torch.Tensor) -> torch.Tensor:
-        if self.D_chol is None:
+        if self.D_inv is None:
             return v
-        flat = v.reshape(*v.shape[:-2], -1, 1)
-        return torch.cholesky_solve(flat, self.D_chol).reshape(v.shape)
-
-    def _coupling(self, key: str, value: torch.Tensor, want: str) -> torch.Tensor:
-        """One block of the normal operator: ``(T*T restricted to key -> want) value``."""
-        z = self.tmap.zeros()
-        z[key] = value
-        return self.tmap.normal(z)[want]
+        flat = v.reshape(*v.shape[:-2], -1, 1).to(self.D_inv.dtype)
+        return (self.D_inv @ flat).reshape(v.shape).to(v.dtype)
 
     def __call__(self, r: Gens) -> Gens:
         out = {k: (v / self.diag[k] if k in self.diag else v) for k, v in r.items()}
@@ -96,22 +88,35 @@ class _Preconditioner:
             rm = r[self.main]
             if self.trans is not None:
                 y = self._d_inv(r[self.trans])
-                rm = rm - self._coupling(self.trans, y, self.main)
+                rm = rm - self.tmap.cross(self.trans, y)
             out[self.main] = self.tmap.constrain({self.main: self._sylvester(rm)})[self.main]
             if self.trans is not None:
-                back = self._coupling(self.main, out[self.main], self.trans)
+                back = self.tmap.cross(self.main, out[self.main])
                 out[self.trans] = self._d_inv(r[self.trans] - back)
         return self.tmap.constrain(out)
 
 
+def _translation_inverse(tmap: TangentMap) -> torch.Tensor:
+    """``D^-1`` for ``D = I + Wsum Wsum^T`` ([G dv, G dv] per layer), the value-bias
+    translations' block of ``T*T`` and the one big product of the solve. It only
+    preconditions, so it is formed in float32: its rounding costs CG an iteration, never
+    accuracy."""
+    W = group_sum_out(tmap.w).float().reshape(*tmap.w.batch_shape, -1, tmap.spec.d_model)  # [..., G dv, d]
+    D = W @ W.transpose(-1, -2) + torch.eye(W.shape[-2], dtype=W.dtype, device=W.device)
+    return torch.cholesky_inverse(torch.linalg.cholesky(D))  # applied as a product: no copies
+
+
 def solve_generators(tmap: TangentMap, delta: dict[str, torch.Tensor], *, tol: float = 1e-13,
-                     max_iter: int = 200) -> tuple[Gens, int]:
-    """Least-squares generators for ``delta`` by preconditioned CG on ``T*T x = T* delta``."""
+                     max_iter: int = 200) -> tuple[Gens, Gens, int]:
+    """Least-squares generators for ``delta`` by preconditioned CG on ``T*T x = T* delta``.
+
+    Returns the generators, ``T* delta`` and the number of iterations.
+    """
     nb = len(tmap.w.batch_shape)
     apply_normal = tmap.normal
     precond = _Preconditioner(tmap)
     x = tmap.zeros()
-    r = tmap.adjoint(delta)
+    r = rhs = tmap.adjoint(delta)
     z = precond(r)
     p = z
     rz = _dot(r, z, nb)
@@ -130,19 +135,31 @@ def solve_generators(tmap: TangentMap, delta: dict[str, torch.Tensor], *, tol: f
         carry = rz_new / rz.clamp_min(torch.finfo(rz.dtype).tiny)  # share of the old direction kept
         p = _axpy(carry, p, z)
         rz = rz_new
-    return x, it
+    return x, rhs, it
 
 
 @dataclass(frozen=True)
 class Projection:
-    """An update split into its tangent (invisible to the function) and visible parts, one side."""
+    """An update split into its tangent part (invisible to the function) and the visible rest, one side.
+
+    ``rho`` and ``rho_layer`` come from the generators and Gram matrices alone; the tangent
+    part itself is formed only when asked for (``tangent``, ``visible``).
+    """
 
     side: str
-    tangent: dict[str, torch.Tensor]  # same names and shapes as the update's side
+    tmap: TangentMap
+    generators: Gens  # least-squares generators of the update (float64)
     delta: dict[str, torch.Tensor]
     rho: torch.Tensor  # [..., G]: tangent share of each group's (own-parameter) squared norm
     rho_layer: torch.Tensor  # [...]: tangent share over the whole side
+    delta_sq: torch.Tensor  # [...]: squared norm of the update on this side (float64)
     iterations: int
+
+    @cached_property
+    def tangent(self) -> dict[str, torch.Tensor]:
+        """The tangent part: same names, shapes and dtype as the update's side."""
+        raw = self.tmap.apply(self.generators)
+        return {n: raw[n] if n in raw else torch.zeros_like(d) for n, d in self.delta.items()}
 
     @property
     def visible(self) -> dict[str, torch.Tensor]:
@@ -151,8 +168,11 @@ class Projection:
 
 
 def project(w: AttentionWeights, delta: AttentionWeights, side: str, *, near: bool = False,
-            tol: float = 1e-13) -> Projection:
+            tol: float | None = None) -> Projection:
     """Project ``delta`` (an update at the point ``w``) onto the orbit tangent space of one side.
+
+    ``tol``: relative residual of the least-squares solve; by default ``1e-13`` for float64
+    weights and ``1e-7`` for lower precision (whose own rounding is larger than that).
 
     >>> import torch
     >>> from attnid import Attention, AttentionSpec, randomize_
@@ -166,17 +186,17 @@ def project(w: AttentionWeights, delta: AttentionWeights, side: str, *, near: bo
     names = side_names(w.spec, side)
     d = {n: delta[n] for n in names}
     tmap = TangentMap(w, side, near)
-    gens, iters = solve_generators(tmap, d, tol=tol)
-    raw = tmap.apply(gens)
-    tangent = {n: raw.get(n, torch.zeros_like(d[n])) for n in names}
+    if tol is None:
+        tol = 1e-13 if w.W_Q.dtype == torch.float64 else 1e-7
+    gens, rhs, iters = solve_generators(tmap, d, tol=tol)
     nb = len(w.batch_shape)
-    num = _group_sq(tangent, w, side)
-    den = _group_sq(d, w, side)
-    rho = num / den.clamp_min(torch.finfo(den.dtype).tiny)
-    tot_t = sum((t**2).sum(dim=tuple(range(nb, t.ndim))) for t in tangent.values())
-    tot_d = sum((t**2).sum(dim=tuple(range(nb, t.ndim))) for t in d.values())
-    rho_layer = tot_t / torch.as_tensor(tot_d).clamp_min(torch.finfo(w.W_Q.dtype).tiny)
-    return Projection(side, tangent, d, rho, rho_layer, iters)
+    tiny = torch.finfo(torch.float64).tiny
+    rho = tmap.own_sq(gens) / _group_sq(d, w, side).clamp_min(tiny)
+    delta_sq = sum(squared_norm(t, t.ndim - nb) if t.ndim > nb else t.double() ** 2 for t in d.values())
+    # least squares: ||T g||^2 = <T g, delta> = <g, T* delta> (to the solver's tolerance)
+    tangent_sq = _dot(gens, rhs, nb).clamp_min(0.0)
+    rho_layer = tangent_sq / torch.as_tensor(delta_sq).clamp_min(tiny)
+    return Projection(side, tmap, gens, d, rho, rho_layer, torch.as_tensor(delta_sq), iters)
 
 
 def _group_sq(t: dict[str, torch.Tensor], w: AttentionWeights, side: str) -> torch.Tensor:
@@ -185,11 +205,11 @@ def _group_sq(t: dict[str, torch.Tensor], w: AttentionWeights, side: str) -> tor
     G, m = s.n_kv_heads, s.group_size
 
     def per_head(x: torch.Tensor, extra: int) -> torch.Tensor:  # [..., H, *] -> [..., G]
-        sq = (x**2).sum(dim=tuple(range(x.ndim - extra, x.ndim)))
+        sq = squared_norm(x, extra)
         return sq.reshape(*sq.shape[:-1], G, m).sum(-1)
 
     def per_group(x: torch.Tensor, extra: int) -> torch.Tensor:
-        return (x**2).sum(dim=tuple(range(x.ndim - extra, x.ndim)))
+        return squared_norm(x, extra)
 
     if side == "qk":
         out = per_head(t["W_Q"], 2) + per_group(t["W_K"], 2)

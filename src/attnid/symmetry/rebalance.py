@@ -1,4 +1,4 @@
-"""Rebalancing: a function-preserving move along the orbit to the balanced point.
+"""Rebalancing: a function-preserving move along the orbit to the balanced point (docs/theory.md §11).
 
 For a pair ``A [n1, k]``, ``B [n2, k]`` acted on by ``A S, B S^{-T}`` (QK: the group's
 stacked query heads and its keys; VO: the values and the stacked transposed outputs):
@@ -36,28 +36,65 @@ def balance_pair(A: torch.Tensor, B: torch.Tensor, *, align: bool = True,
     k = A.shape[-1]
     if A.shape[-2] < k or B.shape[-2] < k:
         raise AttnidError("rebalancing needs head_dim <= the rows it acts on (head_dim <= d_model)")
+    Ra = torch.linalg.qr(A, mode="r").R  # [..., k, k]; Q is never formed (a third of a QR)
+    Rb = torch.linalg.qr(B, mode="r").R
+    if not (_well_conditioned(Ra) and _well_conditioned(Rb)):
+        return _balance_pair_with_q(A, B, align=align, apply_to=apply_to)
+    U, sig, Vh = torch.linalg.svd(Ra @ Rb.transpose(-1, -2))
+    root = sig.sqrt().unsqueeze(-2)  # [..., 1, k]
+    Ua, Ub = U * root, Vh.transpose(-1, -2) * root  # R_a S = U Sigma^1/2, R_b S^-T = V Sigma^1/2
+    if align:  # Procrustes: (A S) O closest to A, (B S^-T) O closest to B
+        O = polar(Ua.transpose(-1, -2) @ Ra + Ub.transpose(-1, -2) @ Rb)
+        Ua, Ub = Ua @ O, Ub @ O
+    S = torch.linalg.solve_triangular(Ra, Ua, upper=True)  # R_a^{-1} U Sigma^{1/2} O
+    S_invT = torch.linalg.solve_triangular(Rb, Ub, upper=True)  # R_b^{-1} V Sigma^{1/2} O
+    X, Y = (A, B) if apply_to is None else apply_to
+    return X @ S, Y @ S_invT
+
+
+def _well_conditioned(R: torch.Tensor) -> bool:
+    """Whether a triangular factor can be solved with safely (diagonal within 1e-6 of its largest)."""
+    d = R.diagonal(dim1=-2, dim2=-1).abs()
+    return bool((d.amin(-1) > 1e-6 * d.amax(-1)).all())
+
+
+def _balance_pair_with_q(A: torch.Tensor, B: torch.Tensor, *, align: bool,
+                         apply_to: tuple[torch.Tensor, torch.Tensor] | None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`balance_pair` through the orthogonal factors, for (nearly) rank-deficient pairs
+    (a dead head): ``A S = Q_a U Sigma^{1/2}`` needs no triangular solve."""
     Qa, Ra = torch.linalg.qr(A)  # [..., n1, k], [..., k, k]
     Qb, Rb = torch.linalg.qr(B)
     U, sig, Vh = torch.linalg.svd(Ra @ Rb.transpose(-1, -2))
     root = sig.sqrt().unsqueeze(-2)  # [..., 1, k]
-    Ua, Ub = U * root, Vh.transpose(-1, -2) * root  # A S = Q_a U Sigma^1/2, B S^-T = Q_b V Sigma^1/2
+    Ua, Ub = U * root, Vh.transpose(-1, -2) * root
     O = None
-    if align:  # Procrustes: (A S) O closest to A, (B S^-T) O closest to B
-        O = polar(Ua.transpose(-1, -2) @ (Qa.transpose(-1, -2) @ A)
-                  + Ub.transpose(-1, -2) @ (Qb.transpose(-1, -2) @ B))
+    if align:
+        O = polar(Ua.transpose(-1, -2) @ Ra + Ub.transpose(-1, -2) @ Rb)
         Ua, Ub = Ua @ O, Ub @ O
     if apply_to is None:
         return Qa @ Ua, Qb @ Ub
-    S = torch.linalg.solve_triangular(Ra, Ua, upper=True)  # R_a^{-1} U Sigma^{1/2} O
+    S = torch.linalg.solve_triangular(Ra, Ua, upper=True)
     S_invT = Ra.transpose(-1, -2) @ (U / root) if O is None else Ra.transpose(-1, -2) @ (U / root) @ O
     X, Y = apply_to
     return X @ S, Y @ S_invT
 
 
 def polar(M: torch.Tensor) -> torch.Tensor:
-    """Orthogonal factor of ``M`` (the Procrustes solution maximising ``tr(O^T M)``)."""
-    U, _, Vh = torch.linalg.svd(M)
-    return U @ Vh
+    """Orthogonal factor of ``M`` (the Procrustes solution maximising ``tr(O^T M)``).
+
+    ``O = M (M^T M)^{-1/2}`` from a float64 eigendecomposition of ``M^T M`` (a third cheaper
+    than an SVD), then one Newton-Schulz step, which squares the orthogonality error. When
+    ``M`` is too ill-conditioned for that (``cond > 1e4``), the SVD.
+    """
+    M64 = M.double()
+    lam, V = torch.linalg.eigh(M64.transpose(-1, -2) @ M64)  # ascending
+    if not bool((lam[..., 0] > 1e-8 * lam[..., -1]).all()):
+        U, _, Vh = torch.linalg.svd(M)
+        return U @ Vh
+    O = M64 @ (V * lam.rsqrt().unsqueeze(-2)) @ V.transpose(-1, -2)
+    O = 1.5 * O - 0.5 * O @ (O.transpose(-1, -2) @ O)
+    return O.to(M.dtype)
 
 
 def _rows_qk(w: AttentionWeights) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,7 +194,7 @@ def rebalance_vo(w: AttentionWeights, *, align: bool = True, fold: bool = True,
     G, m = s.n_kv_heads, s.group_size
     Wo_t = w.W_O.transpose(-1, -2)  # [..., H, d, dv]
     B = Wo_t.reshape(*Wo_t.shape[:-3], G, m * s.d_model, s.v_head_dim)
-    A2, B2 = balance_pair(Aw, B, align=align, apply_to=(A, B))
+    A2, B2 = balance_pair(Aw, B, align=align, apply_to=None if Aw is A else (A, B))
     new = {"W_V": A2[..., : s.d_model, :],
            "W_O": B2.reshape(*Wo_t.shape).transpose(-1, -2)}
     if w.b_V is not None:

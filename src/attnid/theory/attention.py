@@ -1,4 +1,4 @@
-"""Closed-form identification counts (THEORY.md), for every variant of `AttentionSpec`.
+"""Closed-form identification counts (docs/theory.md §2-§8), for every variant of `AttentionSpec`.
 
 The counts rest on one fact about matrix products: the map ``(A, B) -> A B^T`` with
 ``A`` of shape ``n1 x k`` and ``B`` of shape ``n2 x k`` has, at a generic point, an

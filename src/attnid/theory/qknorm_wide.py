@@ -1,7 +1,7 @@
 """QK-norm with ``head_dim > d_model``: the count, under RoPE, GQA and biases.
 
-With the norm's epsilon at 0 a head's scores see only four things (THEORY.md's
-notation; ``a = d + [b_Q]`` and ``b = d + [b_K]`` are the bias-augmented widths):
+With the norm's epsilon at 0 a head's scores see only four things (docs/theory.md §7;
+notation of §1.1; ``a = d + [b_Q]`` and ``b = d + [b_K]`` are the bias-augmented widths):
 
 * ``Q_h = A_h A_h^T`` and ``K_g = B_g B_g^T`` up to one scale each (the norms), where
   ``A_h`` (``a x d_k``) and ``B_g`` (``b x d_k``) are the bias-augmented projections;
