@@ -14,7 +14,7 @@ QUICK = ("gpt2", "Llama-2-7b", "Qwen3-8B")  # LayerNorm + positions; RMSNorm; QK
 def _closed(name: str) -> bool:
     _, config = load_config(name)
     a = adapter_for(config)
-    return a.closed_form and a.unsupported_whole(config) is None and a.whole(config).layout != "post"
+    return a.closed_form and a.unsupported_whole(config) is None
 
 
 def whole_model_section(quick: bool) -> dict[str, Any]:
