@@ -28,6 +28,10 @@ FALCON = dict(model_type="falcon", architectures=["FalconForCausalLM"], hidden_s
               num_attention_heads=2, num_hidden_layers=1, vocab_size=12, layer_norm_epsilon=1e-2,
               ffn_hidden_size=6, **NOPAD)
 
+BERT = dict(model_type="bert", architectures=["BertForMaskedLM"], hidden_size=8, num_attention_heads=2,
+            intermediate_size=6, num_hidden_layers=1, vocab_size=12, max_position_embeddings=6,
+            type_vocab_size=2, layer_norm_eps=1e-2, **NOPAD)
+
 
 def rms(model_type, arch, **kw):
     return dict(RMS, model_type=model_type, architectures=[arch], **kw)
@@ -65,6 +69,12 @@ CASES = {
                                          tie_word_embeddings=False),
     "falcon-parallel-bias-untied": dict(FALCON, vocab_size=40, bias=True, tie_word_embeddings=False),
     "falcon-new-decoder": dict(FALCON, vocab_size=40, new_decoder_architecture=True, num_kv_heads=1),
+    # BERT: post-LN, token types, masked-LM head tied / untied, bare model with its pooler
+    "bert-mlm-tied": BERT,
+    "bert-mlm-one-token-type": dict(BERT, type_vocab_size=1),
+    "bert-mlm-untied": dict(BERT, tie_word_embeddings=False, type_vocab_size=1),
+    "bert-bare-model": dict(BERT, architectures=["BertModel"], type_vocab_size=1),
+    "bert-2layers": dict(BERT, num_hidden_layers=2, type_vocab_size=1),
 }
 
 
@@ -110,7 +120,8 @@ class _NoMode:
         return False
 
 
-@pytest.mark.parametrize("model", ["gpt2", "Llama-2-7b", "Qwen3-8B", "pythia-1.4b", "falcon-7b",
+@pytest.mark.parametrize("model", ["gpt2", "bert-base-uncased", "all-MiniLM-L6-v2", "Llama-2-7b",
+                                   "Qwen3-8B", "pythia-1.4b", "falcon-7b",
                                    "gemma-7b", "Phi-3-mini-4k-instruct", "Qwen2.5-0.5B"])
 def test_total_equals_hf_parameter_count(model):
     from attnid.adapters.config import load_config

@@ -207,10 +207,13 @@ def reduced_whole_config(adapter: Any, config: dict[str, Any]) -> dict[str, Any]
     """The attention's reduced config (same grouping, rotary fraction, biases, norms) with a
     tiny whole model around it: one layer, 6 MLP units, a 6-row position table, eps 1e-2 (so
     near-unidentified directions stand clear), the config's own tying. A parallel layout's
-    first MLP sees only the vocabulary's rows, so it gets 40 tokens (enough to pin it down)."""
+    first MLP sees only the vocabulary's rows, so it gets max(5 d, 40) tokens (enough to pin it down);
+    the vocabulary stays well above the width (with ``V <= d`` more directions are lost)."""
     small = adapter.reduce(config)
     st = adapter.whole(config)
-    out = dict(small, vocab_size=40 if st.layout == "parallel" else 16, tie_word_embeddings=st.tied,
+    d = int(small.get("hidden_size") or small.get("n_embd"))
+    vocab = max(5 * d, 40) if st.layout == "parallel" else max(16, 2 * d + 8)  # well above d
+    out = dict(small, vocab_size=vocab, tie_word_embeddings=st.tied,
                pad_token_id=None, bos_token_id=None, eos_token_id=None)
     for key in ("num_hidden_layers", "n_layer"):
         if key in out or key == "num_hidden_layers":
@@ -288,7 +291,7 @@ def verify_whole_hf_config(model: str, *, seed: int = 0, confirm: bool = True) -
     """``attnid verify --hf-config MODEL --whole``: the whole reduced model."""
     name, config = load_config(model)
     adapter = adapter_for(config)
-    if not adapter.closed_form or adapter.whole(config).layout == "post":
+    if not adapter.closed_form or adapter.unsupported_whole(config):
         raise AttnidError(f"{adapter.family} has no whole-model closed form to compare with; "
                           "`attnid report` shows its numeric whole-model count")
     small = reduced_whole_config(adapter, config)

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from attnid.errors import AttnidError
 from attnid.spec import AttentionSpec
 from attnid.theory import Component, count
 from attnid.whole.structure import Structure
@@ -111,15 +112,12 @@ def _norm(st: Structure, readers: list[tuple[int, bool]] | None,
 def count_structure(st: Structure) -> WholeCount:
     """The closed form for a pre-LN or parallel layout (see the module docstring)."""
     if st.layout == "post":
-        from attnid.errors import AttnidError
-
-        raise AttnidError("no closed form for post-LN layouts yet: count them numerically")
+        return _count_post(st)
     d, V = st.d_model, st.vocab
     layer = st.norm == "layer"
     w = d - 1 if layer else d  # the width a norm's output spans
     lm = st.function == "logprobs"
     free_unembed = lm and not st.tied  # an unembedding matrix of its own
-    input_only_E = not (lm and st.tied)  # E is not also read as the unembedding
     out: dict[str, list[int]] = {}
     for s in st.specs:
         c = count(s)
@@ -144,16 +142,73 @@ def count_structure(st: Structure) -> WholeCount:
     # residual stream: rotations (untied LM only), scale (near: the norms' eps sees it)
     _add(out, "residual", 0, w * (w - 1) // 2 if free_unembed else 0)
     _add(out, "residual", 0, *((1, 0) if st.eps == 0 else (0, 1)))
-    # embeddings: tables, their all-ones rows under LayerNorm, translations between tables
-    tables = [n for n in (st.positions, st.token_types) if n]
-    unid = 0
-    if layer:
-        unid += sum(tables) + (V if input_only_E else 0)
-    unid += len(tables) * (d - (1 if layer and input_only_E else 0))
-    if layer and not input_only_E and not tables:
-        unid += 1  # tied: E + c 1 1^T shifts the stream along all-ones and the logits uniformly
-    _add(out, "embeddings", d * (V + sum(tables)), unid)
+    _embeddings(st, out)
     if lm and not st.tied:
         _add(out, "head", V * d, d)  # logits shifted by a constant across the vocabulary
     return WholeCount(st, {k: Component(*v) for k, v in out.items()})
 
+
+
+def _embeddings(st: Structure, out: dict[str, list[int]]) -> None:
+    """Token, position and token-type tables. Under LayerNorm every row of a table that only
+    feeds the stream has an invisible all-ones component; tables translate against each
+    other (``(n_tables - 1) d``); translations along all-ones that only move shiftable tables
+    are among the shifts already."""
+    d, V = st.d_model, st.vocab
+    layer = st.norm == "layer"
+    tied_lm = st.function == "logprobs" and st.tied
+    tables = [n for n in (st.positions, st.token_types) if n]
+    unid = len(tables) * d
+    if layer:
+        shiftable = tables + ([] if tied_lm else [V])
+        unid += sum(shiftable) - max(len(shiftable) - 1, 0)
+        if tied_lm and not tables:
+            unid += 1  # tied: E + c 1 1^T shifts the stream along all-ones and the logits uniformly
+    _add(out, "embeddings", d * (V + sum(tables)), unid)
+
+
+def _count_post(st: Structure) -> WholeCount:
+    """Post-LN (BERT): ``x -> LN(x + sublayer(x))``. Each norm's output feeds its readers and
+    the next residual sum: no gain transfer (the residual path cannot absorb it), its bias
+    is redundant with the next sublayer's output bias, its scale is seen only through the
+    next norm's eps (near-unidentified, one per residual norm input). Closed form only with
+    every linear bias present (BERT, RoBERTa)."""
+    d, V = st.d_model, st.vocab
+    if st.norm != "layer" or not st.norm_bias or not st.mlp_bias or any(
+            s.bias != frozenset("qkvo") for s in st.specs) or st.mlp != "gelu":
+        raise AttnidError("no whole-model closed form for this post-LN layout (only BERT's: "
+                          "LayerNorm with biases, every linear bias, GELU)")
+    out: dict[str, list[int]] = {}
+    _embeddings(st, out)
+    eps_near = (1, 0) if st.eps == 0 else (0, 1)
+    _add(out, "norms", 2 * d, 0)  # the embedding LayerNorm
+    _add(out, "residual", 0, *eps_near)  # the scale of the embedding sum
+    for s in st.specs:
+        c = count(s)
+        _add(out, "attention", c.total, count(_behind_layernorm(s, st)).unidentified,
+             c.near_unidentified)
+        qkv = s.n_heads * s.head_dim + s.n_kv_heads * (s.head_dim + s.v_head_dim)
+        # the norm before: bias redundant with b_O (d), centring of q, k, v columns
+        _add(out, "norms", 0, d)
+        _add(out, "centring", 0, qkv)
+        _add(out, "residual", 0, s.n_heads * s.v_head_dim + 1)  # W_O rows, b_O along all-ones
+        _add(out, "norms", 2 * d, d)  # attention's norm: bias redundant with the MLP's out bias
+        _add(out, "centring", 0, st.d_ff)
+        _add(out, "mlp", 2 * d * st.d_ff + st.d_ff + d, 0)
+        _add(out, "residual", 0, st.d_ff + 1)  # W_out rows and bias along all-ones
+        _add(out, "residual", 0, 2 * eps_near[0], 2 * eps_near[1])  # two residual sums' scales
+        _add(out, "norms", 2 * d, 0)  # the layer's last norm (its readers are counted next)
+    if st.mlm_head:
+        # the last norm feeds the transform: gain, bias and centring as a pre-LN reader
+        _add(out, "norms", 0, 2 * d)
+        _add(out, "centring", 0, d)
+        params = d * d + d + 2 * d + V  # transform dense, its LayerNorm, the decoder bias
+        if st.tied:  # the transform's norm: only its bias (into the decoder bias); the shift
+            unid = d + 1
+        else:  # gain, bias, centring (less the column the shift shares), the shift (d + 1)
+            params += V * d + V  # the decoder, and a second bias the forward never reads
+            unid = 2 * d + (V - 1) + d + 1 + V
+        _add(out, "head", params, unid)
+    if st.pooler:
+        _add(out, "head", d * d + d, d * d + d)  # the hidden states never reach the pooler
+    return WholeCount(st, {k: Component(*v) for k, v in out.items()})

@@ -14,8 +14,8 @@ def count_model(config: dict[str, Any] | str) -> WholeCount:
     """Whole-model counts of a config (a dict, a config.json path, a model directory or a
     bundled name), at its own sizes.
 
-    Families with a closed form (GPT-2, Llama/Mistral, Qwen2/Qwen3, Gemma, GPT-NeoX, Falcon,
-    Phi-3) are counted exactly; the others (post-LN BERT/RoBERTa, OLMo2, DeepSeek) are counted
+    Families with a closed form (GPT-2, BERT, Llama/Mistral, Qwen2/Qwen3, Gemma, GPT-NeoX,
+    Falcon, Phi-3) are counted exactly; the others (OLMo2, DeepSeek) are counted
     by the whole-model arbiter on a reduced config of the same structure (this needs
     transformers), and ``method`` says so.
 
@@ -30,8 +30,11 @@ def count_model(config: dict[str, Any] | str) -> WholeCount:
     if why:
         raise AttnidError(why)
     st = adapter.whole(config)
-    if adapter.closed_form and st.layout != "post":
-        return count_structure(st)
+    if adapter.closed_form:
+        try:
+            return count_structure(st)
+        except AttnidError:  # a layout the closed form does not cover: counted numerically
+            pass
     require("transformers", "hf")
     from attnid.whole.check import numeric_whole  # torch + transformers: only when needed
 
