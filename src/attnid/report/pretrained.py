@@ -8,7 +8,7 @@ the drift of the conserved quantities from the pretrained point, the gauge share
 total weight change (`attnid diff` between start and end), held-out retrieval accuracy over
 adjacent-line pairs; and the audit of the pretrained checkpoint itself.
 
-    section = pretrained_section(quick=False)   # ~3 min on 2 CPU cores; quick: ~20 s
+    section = pretrained_section(ctx)   # `attnid reproduce` calls it; ctx.quick: a few steps
 
 The input checkpoint is only read (loaded into memory), never written.
 """
@@ -27,8 +27,14 @@ from attnid.checkpoint.audit import audit
 from attnid.checkpoint.diff import compare_layers
 from attnid.errors import AttnidError, require
 from attnid.monitor import Corrector, Monitor
+from attnid.progress import Progress
+from attnid.report.document import Claim, Figure, Section, Table
 from attnid.symmetry.conserved import conserved
 
+FINETUNE_COLUMNS = {"optimizer": "optimizer", "final_loss": "final loss", "rho_qk_median": "median rho_qk",
+                    "rho_vo_median": "median rho_vo", "drift_qk_median": "drift QK",
+                    "drift_vo_median": "drift VO", "gauge_share": "gauge share",
+                    "retrieval_accuracy": "retrieval acc."}
 TITLE = "The claims on a pretrained model (all-MiniLM-L6-v2, fine-tuned on CPU)"
 RUNS = {"adamw": ("AdamW lr 5e-5, wd 0.01", "off"), "sgd": ("SGD lr 0.02", "off"),
         "adamw_project": ("AdamW + projection", "project")}
@@ -106,17 +112,18 @@ def _gauge_share(start, end) -> tuple[float, float, float]:
     return raw**0.5, aligned**0.5, (1.0 - aligned / raw) if raw > 0 else 1.0
 
 
-def pretrained_section(quick: bool, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """The section for `attnid reproduce`: title, markdown, tables, figures, claims."""
-    steps, batch_size, n_eval = (3, 8, 32) if quick else (40, 16, 256)
-    return run_section(steps, batch_size, n_eval, progress)
+def pretrained_section(ctx: Any) -> Section:
+    """The section for `attnid reproduce` (``ctx``: its Context: out, quick, progress, figures)."""
+    steps, batch_size, n_eval = (3, 8, 32) if ctx.quick else (40, 16, 256)
+    return run_section(steps, batch_size, n_eval, ctx.figures, ctx.progress)
 
 
-def run_section(steps: int, batch_size: int, n_eval: int,
-                progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """`pretrained_section` at any size."""
+def run_section(steps: int, batch_size: int, n_eval: int, figures: Path,
+                progress: Progress | None = None) -> Section:
+    """`pretrained_section` at any size; figures are written under ``figures``."""
     require("transformers", "hf")
-    say = progress or (lambda msg: None)
+    progress = progress or Progress(enabled=False)
+    say = progress.stage
     path = minilm_path()
     from attnid.train.contrastive import line_pairs, load_encoder, retrieval_accuracy
 
@@ -148,11 +155,11 @@ def run_section(steps: int, batch_size: int, n_eval: int,
     by = {r["optimizer"]: r for r in rows}
     adamw, sgd, proj = (by[RUNS[k][0]] for k in ("adamw", "sgd", "adamw_project"))
     claims = _claims(rep, adamw, sgd, proj, acc0)
-    figures = _figures(runs, rep)
     md = _markdown(rep, rows, acc0, steps, batch_size, n_eval, claims)
-    return {"title": TITLE, "markdown": md,
-            "tables": {"pretrained_finetune": rows, "pretrained_audit": audit_rows},
-            "figures": figures, "claims": claims}
+    finetune = Table("pretrained_finetune", rows, columns=FINETUNE_COLUMNS)
+    return Section(TITLE, md, tables=(finetune, Table("pretrained_audit", audit_rows)),
+                   figures=tuple(_figures(runs, rep, figures)),
+                   claims=tuple(Claim(TITLE, c["claim"], bool(c["holds"]), c["evidence"]) for c in claims))
 
 
 def _claims(rep, adamw, sgd, proj, acc0) -> list[dict[str, Any]]:
@@ -189,14 +196,13 @@ def _claims(rep, adamw, sgd, proj, acc0) -> list[dict[str, Any]]:
     ]
 
 
-def _figures(runs, rep) -> dict[str, tuple[Any, str]]:
+def _figures(runs, rep, where: Path) -> list[Figure]:
+    """Two PNGs under ``where`` (matplotlib's object API: the user's backend is left alone)."""
     require("matplotlib", "report")
-    import matplotlib
+    from matplotlib.figure import Figure as MplFigure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
+    fig = MplFigure(figsize=(13, 3.4))
+    axes = fig.subplots(1, 3)
     for name, r in runs.items():
         h = r["hist"]
         x = range(1, len(h["loss"]) + 1)
@@ -214,7 +220,8 @@ def _figures(runs, rep) -> dict[str, tuple[Any, str]]:
         ax.set_xlabel("step")
         ax.legend(fontsize=6)
     fig.tight_layout()
-    heat, hax = plt.subplots(1, 2, figsize=(9, 3.2))
+    heat = MplFigure(figsize=(9, 3.2))
+    hax = heat.subplots(1, 2)
     for ax, side in zip(hax, ("qk", "vo"), strict=True):
         im = ax.imshow([x[f"beta_{side}"] for x in rep["layers"]], aspect="auto", cmap="magma", vmin=0)
         ax.set_title(f"normalised beta_{side}")
@@ -222,11 +229,14 @@ def _figures(runs, rep) -> dict[str, tuple[Any, str]]:
         ax.set_ylabel("layer")
         heat.colorbar(im, ax=ax)
     heat.tight_layout()
-    return {"pretrained_finetune.png": (fig, "Fine-tuning the pretrained all-MiniLM-L6-v2: loss, the orbit "
-                                        "share rho of each update, and the drift of the conserved quantities "
-                                        "from the pretrained point, per optimizer."),
-            "pretrained_audit.png": (heat, "Audit of the pretrained all-MiniLM-L6-v2: normalised conserved "
-                                     "quantity per layer and head (0 = balanced, 1 = most unbalanced).")}
+    fig.savefig(where / "pretrained_finetune.png", dpi=120)
+    heat.savefig(where / "pretrained_audit.png", dpi=120)
+    return [Figure(where / "pretrained_finetune.png",
+                   "Fine-tuning the pretrained all-MiniLM-L6-v2: loss, the orbit share rho of each update, "
+                   "and the drift of the conserved quantities from the pretrained point, per optimizer."),
+            Figure(where / "pretrained_audit.png",
+                   "Audit of the pretrained all-MiniLM-L6-v2: normalised conserved quantity per layer and "
+                   "head (0 = balanced, 1 = most unbalanced).")]
 
 
 def _markdown(rep, rows, acc0, steps, batch_size, n_eval, claims) -> str:
@@ -241,15 +251,7 @@ def _markdown(rep, rows, acc0, steps, batch_size, n_eval, claims) -> str:
         f"{s['beta_qk_max']:.3f}; beta_vo median {s['beta_vo_median']:.3f}, max {s['beta_vo_max']:.3f} "
         f"(0 = balanced). Rebalancing would remove {s['removable_share_mean']:.1%} of the attention weight "
         "norm without changing the function.",
-        "",
-        "| optimizer | final loss | median rho_qk | median rho_vo | drift QK | drift VO | gauge share | "
-        "retrieval acc. |",
-        "|---|---|---|---|---|---|---|---|",
     ]
-    for r in rows:
-        lines.append(f"| {r['optimizer']} | {r['final_loss']:.3f} | {r['rho_qk_median']:.2e} | "
-                     f"{r['rho_vo_median']:.2e} | {r['drift_qk_median']:.2e} | {r['drift_vo_median']:.2e} | "
-                     f"{r['gauge_share']:.3f} | {r['retrieval_accuracy']:.3f} |")
     best = max(r["retrieval_accuracy"] for r in rows)
     if best <= acc0 + 0.01:
         lines += ["", f"At this budget no optimizer improves held-out retrieval over the pretrained "
