@@ -4,7 +4,7 @@ cousins). Each returns a new model (deep copy); the input is never touched.
 
 * :func:`norm_gain_transfer`: a norm's gain times ``s``, its readers' input columns ``/ s``;
 * :func:`residual_rotation`: the residual stream rotated by an orthogonal ``Q`` (untied
-  unembedding only), after folding every gain into its readers;
+  unembedding only), each norm's readers conjugated by its gain;
 * :func:`mlp_scaling`: a gated MLP's up-projection rows times ``c``, down-projection
   columns ``/ c``;
 * :func:`logit_shift`: every unembedding row plus one vector ``u`` (log-probabilities
@@ -45,30 +45,24 @@ def norm_gain_transfer(model: nn.Module, norm: str, s: torch.Tensor) -> nn.Modul
     return new
 
 
-def fold_gains(model: nn.Module) -> nn.Module:
-    """Every norm gain moved into its readers (the gains become 1)."""
-    new = model
-    for name in _readers(model):
-        g = new.get_submodule(name).weight.detach().clone()
-        new = norm_gain_transfer(new, name, 1 / g)
-    return new if new is not model else copy.deepcopy(model)
-
-
 def residual_rotation(model: nn.Module, Q: torch.Tensor) -> nn.Module:
-    """``x -> x Q`` on the residual stream (``Q`` orthogonal ``[d, d]``); untied models only."""
+    """``x -> x Q`` on the residual stream (``Q`` orthogonal ``[d, d]``); untied models only.
+
+    RMSNorm commutes with ``Q`` but its gain ``g`` does not: a reader ``W`` of a norm becomes
+    ``W diag(g) Q diag(1/g)`` (the gains stay), so ``Q = I`` is the identity map."""
     if model.lm_head.weight is model.model.embed_tokens.weight:
         raise ValueError("a tied unembedding breaks residual rotations")
-    new = fold_gains(model)
+    new = copy.deepcopy(model)
     with torch.no_grad():
         Q = Q.to(new.lm_head.weight.dtype)
         new.model.embed_tokens.weight.copy_(new.model.embed_tokens.weight @ Q)
+        for name, readers in _readers(new).items():
+            g = new.get_submodule(name).weight
+            for lin in readers:  # reads g * (x Q) / rms
+                lin.weight.copy_(lin.weight * g[None, :] @ Q / g[None, :])
         for layer in _layers(new):
-            a, m = layer.self_attn, layer.mlp
-            for lin in (a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj):
-                lin.weight.copy_(lin.weight @ Q)  # reads x Q: W (x Q)^T needs W Q
-            for lin in (a.o_proj, m.down_proj):  # writes: [d, in] rows rotated
+            for lin in (layer.self_attn.o_proj, layer.mlp.down_proj):  # writes: [d, in]
                 lin.weight.copy_(Q.T @ lin.weight)
-        new.lm_head.weight.copy_(new.lm_head.weight @ Q)
     return new
 
 
