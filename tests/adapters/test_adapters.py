@@ -109,7 +109,7 @@ def test_layout_round_trip_on_real_module_state(name):
     _, c = load_config(name)
     adapter = adapter_for(c)
     small = dict(adapter.reduce(c), num_hidden_layers=2, n_layer=2)
-    model = build_hf_model(adapter.model_type, small)
+    model = build_hf_model({**small, "model_type": adapter.model_type})
     state = {k: v.detach() for k, v in model.state_dict().items()}
     spec = adapter.spec(small)
     first = adapter.names(1, spec)[0]
@@ -141,7 +141,7 @@ def test_canonical_layout_computes_what_hugging_face_computes(name):
     adapter = adapter_for(c)
     small = adapter.reduce(c)
     spec = adapter.spec(small)
-    model = build_hf_model(adapter.model_type, small)
+    model = build_hf_model({**small, "model_type": adapter.model_type})
     holder, forward = adapter.attention_of(model)
     randomize_(holder, 3)
     state = {k: v.detach() for k, v in model.state_dict().items()}
