@@ -49,6 +49,7 @@ def test_missing_architectures_says_so(tmp_path, capsys):
     assert "no 'architectures'" in out and "llama" in out and "Traceback" not in out
 
 
+@pytest.mark.slow
 def test_reproduce_section_quick():
     from attnid.report.whole import whole_model_section
 

@@ -247,13 +247,19 @@ def hf_model_class(c: Config, *, head: bool = True) -> Any:
     return transformers.AutoModel
 
 
+def new_hf_model(c: Config, *, head: bool = True, eager: bool = False) -> nn.Module:
+    """The architecture's transformers model built from a config dict (random weights; on the
+    current default device, so ``torch.device("meta")`` builds it without memory)."""
+    conf = hf_config(c)
+    if eager:
+        conf._attn_implementation = "eager"
+    cls = hf_model_class(c, head=head)
+    return cls(conf) if cls.__name__ != "AutoModel" else cls.from_config(conf)
+
+
 def build_hf_model(c: Config, *, head: bool = False) -> nn.Module:
     """A transformers model from a config dict, random weights, eager attention, eval mode, float64."""
-    conf = hf_config(c)
-    conf._attn_implementation = "eager"
-    cls = hf_model_class(c, head=head)
-    model = cls(conf) if cls.__name__ != "AutoModel" else cls.from_config(conf)
-    return model.double().eval()
+    return new_hf_model(c, head=head, eager=True).double().eval()
 
 
 def find_first(model: nn.Module, suffix: str) -> nn.Module:

@@ -15,13 +15,11 @@ def model_params(config: dict[str, Any]) -> int | None:
     memory; tied weights counted once)."""
     import torch
 
-    from attnid.adapters.base import hf_config, hf_model_class
+    from attnid.adapters.base import new_hf_model
 
     try:
-        conf = hf_config(config)
-        cls = hf_model_class(config)
         with torch.device("meta"):
-            model = cls(conf) if cls.__name__ != "AutoModel" else cls.from_config(conf)
+            model = new_hf_model(config)
         seen: set[int] = set()
         total = 0
         for p in model.parameters():
