@@ -51,8 +51,9 @@ def test_missing_architectures_says_so(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_reproduce_section_quick():
-    from attnid.report.whole import whole_model_section
+    from attnid.report.whole import run_section
 
-    s = whole_model_section(quick=True)
-    assert all(c["holds"] for c in s["claims"]), s["claims"]
-    assert {r["model"] for r in s["tables"]["whole_model_checks"]} == {"gpt2", "Llama-2-7b", "Qwen3-8B"}
+    s = run_section(quick=True)
+    assert s.claims and all(c.holds for c in s.claims), s.claims
+    checks = next(t for t in s.tables if t.stem == "whole_model_checks").rows
+    assert {r["model"] for r in checks} == {"gpt2", "Llama-2-7b", "Qwen3-8B"}

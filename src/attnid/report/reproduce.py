@@ -40,6 +40,7 @@ from attnid.progress import Progress
 from attnid.report.document import Claim, Figure, Section, Table, render_html, render_markdown, write_table
 from attnid.report.pretrained import pretrained_section
 from attnid.report.training import training_section
+from attnid.report.whole import whole_model_section
 from attnid.spec import AttentionSpec
 from attnid.theory import count
 from attnid.train.experiment import run_experiment
@@ -357,7 +358,7 @@ def training_sections(ctx: Context) -> list[Section]:
 SectionFn = Callable[[Context], "Section | list[Section]"]
 # the report, in order; other sections plug in here
 SECTIONS: list[SectionFn] = [table1_section, table2_section, table3_section, table4_section, table5_section,
-                             training_sections, pretrained_section]
+                             whole_model_section, training_sections, pretrained_section]
 
 
 # ---- assembling -------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ from typing import Any
 
 from attnid.adapters.config import bundled, load_config
 from attnid.adapters.registry import adapter_for
+from attnid.report.document import Claim, Section, Table
 
 QUICK = ("gpt2", "Llama-2-7b", "Qwen3-8B")  # LayerNorm + positions; RMSNorm; QK-norm
 
@@ -17,8 +18,19 @@ def _closed(name: str) -> bool:
     return a.closed_form and a.unsupported_whole(config) is None
 
 
-def whole_model_section(quick: bool) -> dict[str, Any]:
-    """{"title", "markdown", "tables", "figures", "claims"} for the reproduce report."""
+TITLE = "Whole-model identification"
+COUNT_COLUMNS = {"model": "model", "params": "parameters", "unidentified": "unidentified",
+                 "near_unidentified": "near-unidentified", "identified_share": "identified share"}
+
+
+def whole_model_section(ctx: Any) -> Section:
+    """The section for `attnid reproduce` (``ctx``: its Context; ``ctx.quick`` checks 3 families)."""
+    ctx.progress.stage("whole-model counts and their arbiter checks")
+    return run_section(ctx.quick)
+
+
+def run_section(quick: bool) -> Section:
+    """Counts of every closed-form bundled model; the arbiter on reduced configs (3 when quick)."""
     from attnid.whole.check import verify_whole_hf_config
     from attnid.whole.model import count_model
 
@@ -45,16 +57,17 @@ def whole_model_section(quick: bool) -> dict[str, Any]:
         lines.append(f"Llama-2-70B: {llama70['identified_share']:.4%} of its {llama70['params']:,} "
                      f"parameters are identified ({llama70['unidentified']:,} unidentified "
                      "directions).")
-    claims = [
-        {"claim": "the whole-model closed form equals the whole-model arbiter on the reduced "
-                  "config of every closed-form bundled family checked",
-         "holds": all(r["agree"] for r in checks),
-         "evidence": f"{sum(r['agree'] for r in checks)} of {len(checks)} agree; smallest spectral "
-                     f"gap {min((r['spectral_gap'] or 0) for r in checks):.2e}"},
-        {"claim": "every bundled closed-form model has less than 2% of its parameters unidentified",
-         "holds": all(r["unidentified_ratio"] < 0.02 for r in counts),
-         "evidence": ", ".join(f"{r['model']} {r['unidentified_ratio']:.2e}" for r in counts)},
-    ]
-    return {"title": "Whole-model identification", "markdown": "\n".join(lines),
-            "tables": {"whole_model_counts": counts, "whole_model_checks": checks},
-            "figures": {}, "claims": claims}
+    claims = (
+        Claim(TITLE, "the whole-model closed form equals the whole-model arbiter on the reduced "
+                     "config of every closed-form bundled family checked",
+              all(r["agree"] for r in checks),
+              f"{sum(r['agree'] for r in checks)} of {len(checks)} agree; smallest spectral "
+              f"gap {min((r['spectral_gap'] or 0) for r in checks):.2e}"),
+        Claim(TITLE, "every bundled closed-form model has less than 2% of its parameters unidentified",
+              all(r["unidentified_ratio"] < 0.02 for r in counts),
+              ", ".join(f"{r['model']} {r['unidentified_ratio']:.2e}" for r in counts)),
+    )
+    view = [{**r, "identified_share": f"{r['identified_share']:.4%}"} for r in counts]
+    tables = (Table("whole_model_counts", counts, columns=COUNT_COLUMNS, view=view),
+              Table("whole_model_checks", checks))
+    return Section(TITLE, "\n".join(lines), tables=tables, claims=claims)
