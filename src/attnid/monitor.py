@@ -138,21 +138,21 @@ class Corrector:
     """
 
     def __init__(self, model: nn.Module, correction: str = "project", *, near: bool = False) -> None:
-        self.mode, self.every = parse_correction(correction)
-        self.batches = _Batches(model) if self.mode != "off" else None
+        self.kind, self.every = parse_correction(correction)
+        self.batches = _Batches(model) if self.kind != "off" else None
         self.near = near
         self.steps = 0
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
-        before = self.batches.snapshot(torch.float64) if self.mode == "project" else None
+        before = self.batches.snapshot(torch.float64) if self.kind == "project" else None
         yield
         self.steps += 1
-        if self.mode == "project":
+        if self.kind == "project":
             after = self.batches.snapshot(torch.float64)
             self.batches.write([w0 + remove_tangent(w0, w1 - w0, near=self.near)
                                 for w0, w1 in zip(before, after, strict=True)])
-        elif self.mode == "rebalance" and self.steps % self.every == 0:
+        elif self.kind == "rebalance" and self.steps % self.every == 0:
             self.batches.write([rebalance(w, group="auto")
                                 for w in self.batches.snapshot(torch.float64)])
 

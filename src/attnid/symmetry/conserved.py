@@ -40,8 +40,10 @@ def metrics(before: AttentionWeights, after: AttentionWeights | None = None) -> 
         mat = C.ndim >= 2 and not (side == "qk" and point.spec.qk_norm != "none")
         out[f"beta_{side}"] = C.flatten(-2).norm(dim=-1) if mat else C.norm(dim=-1)
         out[f"tau_{side}"] = C.diagonal(dim1=-2, dim2=-1).sum(-1) if mat else C.sum(-1)
-        left, right = (g.double() for g in grams(point, side))
-        out[f"mu_{side}"] = torch.linalg.eigvalsh(left)[..., 0] + torch.linalg.eigvalsh(right)[..., 0]
+        # in the weights' dtype: a float32 Gram is only float32-accurate to begin with
+        left, right = grams(point, side)
+        mu = torch.linalg.eigvalsh(left)[..., 0] + torch.linalg.eigvalsh(right)[..., 0]
+        out[f"mu_{side}"] = mu.double()
         if after is not None:
             diff = C - conserved(before, side)
             out[f"drift_{side}"] = diff.flatten(-2).norm(dim=-1) if mat else diff.norm(dim=-1)

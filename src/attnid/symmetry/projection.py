@@ -47,7 +47,7 @@ class _Preconditioner:
         w, s = tmap.small, tmap.spec
         self.eig: tuple[torch.Tensor, ...] | None = None
         self.diag: dict[str, torch.Tensor] = {}
-        self.D_inv: torch.Tensor | None = None
+        self.D_chol: torch.Tensor | None = None
         gens = tmap.zeros()
         self.main = "M" if "M" in gens else ("C" if "C" in gens else None)
         self.trans = "kappa" if "kappa" in gens else ("nu" if "nu" in gens else None)
@@ -65,7 +65,7 @@ class _Preconditioner:
                 Gv = Gv - w["b_V"].unsqueeze(-1) * w["b_V"].unsqueeze(-2)
             self.eig = (*torch.linalg.eigh(Gv), *torch.linalg.eigh(gr["GO"]))
         if self.trans == "nu" and tmap.w.b_O is not None:
-            self.D_inv = _translation_inverse(tmap)
+            self.D_chol = _translation_factor(tmap)
         if "t" in gens:
             self.diag["t"] = w["g_Q"] ** 2 + w["g_K"] ** 2
         if "s_q" in gens:
@@ -77,10 +77,10 @@ class _Preconditioner:
         return U @ X @ V.transpose(-1, -2)
 
     def _d_inv(self, v: torch.Tensor) -> torch.Tensor:
-        if self.D_inv is None:
+        if self.D_chol is None:
             return v
-        flat = v.reshape(*v.shape[:-2], -1, 1).to(self.D_inv.dtype)
-        return (self.D_inv @ flat).reshape(v.shape).to(v.dtype)
+        flat = v.reshape(*v.shape[:-2], -1, 1).to(self.D_chol.dtype)
+        return torch.cholesky_solve(flat, self.D_chol).reshape(v.shape).to(v.dtype)
 
     def __call__(self, r: Gens) -> Gens:
         out = {k: (v / self.diag[k] if k in self.diag else v) for k, v in r.items()}
@@ -96,14 +96,14 @@ class _Preconditioner:
         return self.tmap.constrain(out)
 
 
-def _translation_inverse(tmap: TangentMap) -> torch.Tensor:
-    """``D^-1`` for ``D = I + Wsum Wsum^T`` ([G dv, G dv] per layer), the value-bias
+def _translation_factor(tmap: TangentMap) -> torch.Tensor:
+    """Cholesky factor of ``D = I + Wsum Wsum^T`` ([G dv, G dv] per layer), the value-bias
     translations' block of ``T*T`` and the one big product of the solve. It only
     preconditions, so it is formed in float32: its rounding costs CG an iteration, never
     accuracy."""
     W = group_sum_out(tmap.w).float().reshape(*tmap.w.batch_shape, -1, tmap.spec.d_model)  # [..., G dv, d]
     D = W @ W.transpose(-1, -2) + torch.eye(W.shape[-2], dtype=W.dtype, device=W.device)
-    return torch.cholesky_inverse(torch.linalg.cholesky(D))  # applied as a product: no copies
+    return torch.linalg.cholesky(D)
 
 
 def solve_generators(tmap: TangentMap, delta: dict[str, torch.Tensor], *, tol: float = 1e-13,
