@@ -167,5 +167,3 @@ def parse_correction(correction: str) -> tuple[str, int]:
             return "rebalance", int(tail)
     raise AttnidError(f"unknown correction {correction!r}: use off, project or rebalance:N")
 
-
-parse_mode = parse_correction  # old name, kept until attnid.train.loop imports parse_correction

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from torch import nn
@@ -9,18 +10,17 @@ from torch import nn
 from attnid.adapters.config import load_config
 from attnid.adapters.registry import adapter_for
 from attnid.arbiter.compare import Verification, verify_module
-from attnid.arbiter.rank import EXACT_RTOL
+from attnid.arbiter.rank import EXACT_RTOL, jacobian_rank, randomize_
+from attnid.errors import AttnidError
 from attnid.theory import count
 
 
-def verify_hf_config(model: str, *, seed: int = 0, confirm: bool = True) -> Verification:
+def verify_hf_config(model: str, *, seed: int = 0, confirm: bool | None = None) -> Verification:
     """Build the architecture's attention module at a reduced size (same grouping, rotary
     fraction, biases, norms), random float64 weights, eval mode; count and compare."""
     name, config = load_config(model)
     adapter = adapter_for(config)
     if not adapter.closed_form:
-        from attnid.errors import AttnidError
-
         raise AttnidError(f"{adapter.family} has no closed form to compare with (attnid lacks "
                           f"{adapter.missing}); `attnid report` shows its numeric count")
     small = adapter.reduce(config)
@@ -29,9 +29,9 @@ def verify_hf_config(model: str, *, seed: int = 0, confirm: bool = True) -> Veri
     without_eps = None
     if spec.qk_norm != "none" and spec.qk_norm_eps > 0:
         def without_eps(m: nn.Module) -> nn.Module:
-            copy, _ = adapter.hf_attention(dict(small, rms_norm_eps=0.0))
-            copy.load_state_dict(m.state_dict())
-            return copy
+            exact, _ = adapter.hf_attention(dict(small, rms_norm_eps=0.0))
+            exact.load_state_dict(m.state_dict())
+            return exact
 
     kwargs: dict[str, Any] = dict(forward=forward, d_model=spec.d_model,
                                   rtol=EXACT_RTOL[adapter.working_precision])
@@ -47,25 +47,26 @@ def numeric_hf_count(adapter: Any, config: dict[str, Any], *, seed: int = 0) -> 
     """The arbiter's count of one attention layer of a *reduced* config, on Hugging Face's own
     class (for families without a closed form). Near-null: the directions that become exactly
     null when the norms' epsilon is 0."""
-    from attnid.arbiter.rank import jacobian_rank, randomize_
-
     small = adapter.reduce(config)
     module, forward = adapter.hf_attention(small)
     randomize_(module, seed)
     _set_norm_eps(module, 1e-2)  # every norm inside, also those whose eps is hard-coded
     kw: dict[str, Any] = dict(forward=forward, d_model=int(small["hidden_size"]),
                               rtol=EXACT_RTOL[adapter.working_precision], seed=seed)
-    found = jacobian_rank(module, **kw)
-    exact, _ = adapter.hf_attention(small)
-    exact.load_state_dict(module.state_dict())
-    _set_norm_eps(exact, 0.0)
-    null0 = jacobian_rank(exact, **kw).nullity
+    found = jacobian_rank(module, without_eps=_without_eps, **kw)
     keys = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "q_lora_rank",
             "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
     return {"reduced_config": {k: small[k] for k in keys if small.get(k) is not None},
             "params": found.n_params, "unidentified": found.nullity,
-            "near_unidentified": max(null0 - found.nullity, 0), "spectral_gap": found.spectral_gap,
+            "near_unidentified": found.near_nullity, "spectral_gap": found.spectral_gap,
             "seconds": found.seconds}
+
+
+def _without_eps(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` with every norm's epsilon at 0 (the near-unidentified definition)."""
+    exact = copy.deepcopy(module)
+    _set_norm_eps(exact, 0.0)
+    return exact
 
 
 def _set_norm_eps(module: nn.Module, eps: float) -> None:

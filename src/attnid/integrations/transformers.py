@@ -32,7 +32,7 @@ require("transformers", "hf")
 
 from transformers import TrainerCallback  # noqa: E402
 
-from attnid.monitor import Corrector, Monitor, parse_mode  # noqa: E402
+from attnid.monitor import Corrector, Monitor, parse_correction  # noqa: E402
 from attnid.symmetry.conserved import conserved  # noqa: E402
 from attnid.weights import AttentionWeights  # noqa: E402
 
@@ -50,7 +50,7 @@ class AttnidCallback(TrainerCallback):
 
     def __init__(self, correction: str = "off", *, every: int = 1, path: str | Path | bool | None = None,
                  per_layer: bool = True, near: bool = False) -> None:
-        parse_mode(correction)  # refuse a bad mode now, not mid-training
+        parse_correction(correction)  # refuse a bad mode now, not mid-training
         if not isinstance(every, int) or every < 1:
             raise AttnidError(f"every must be a positive integer, got {every!r}")
         self.correction, self.every, self.path = correction, every, path

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from attnid.errors import AttnidError
-from attnid.monitor import Corrector, Monitor, parse_mode
+from attnid.monitor import Corrector, Monitor, parse_correction
 from attnid.progress import Progress
 from attnid.train.data import shakespeare
 from attnid.train.model import GPT, GPTConfig
@@ -61,7 +61,7 @@ class TrainConfig:
             raise AttnidError("lr must be a positive number")
         if self.weight_decay < 0:
             raise AttnidError("weight_decay must be >= 0")
-        parse_mode(self.correct)
+        parse_correction(self.correct)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

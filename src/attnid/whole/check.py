@@ -27,6 +27,7 @@ from torch.overrides import TorchFunctionMode
 from attnid.adapters.base import build_hf_model
 from attnid.adapters.config import load_config
 from attnid.adapters.registry import adapter_for
+from attnid.arbiter.compare import CLEAR_GAP
 from attnid.arbiter.rank import ArbiterResult, jacobian_rank, randomize_
 from attnid.errors import AttnidError
 from attnid.theory import Component
@@ -277,17 +278,28 @@ class WholeVerification:
         }
 
 
-def verify_whole(config: dict[str, Any], label: str, *, seed: int = 0, confirm: bool = True
+def verify_whole(config: dict[str, Any], label: str, *, seed: int = 0, confirm: bool | None = None
                  ) -> WholeVerification:
-    """Closed form against the whole-model arbiter on ``config`` (already tiny)."""
+    """Closed form against the whole-model arbiter on ``config`` (already tiny).
+
+    ``confirm``: ``None`` takes the second look (another seed, twice the sequences) only when
+    the count disagrees or its spectral gap is narrow, as `attnid.arbiter.compare` does
+    (docs/theory.md §12.3); ``True`` always, ``False`` never.
+    """
     theory = count_structure(adapter_for(config).whole(config))
     first = arbiter_whole(config, seed=seed)
+    if confirm is None:
+        found = (first.result.n_params, first.unidentified, first.near_unidentified)
+        gap = first.result.spectral_gap
+        confirm = found != (theory.total, theory.unidentified, theory.near_unidentified) or (
+            gap is not None and gap < CLEAR_GAP)
     second = arbiter_whole(config, seed=seed + 1,
                            n_sequences=2 * first.result.n_sequences) if confirm else None
     return WholeVerification(label, theory, first, second)
 
 
-def verify_whole_hf_config(model: str, *, seed: int = 0, confirm: bool = True) -> WholeVerification:
+def verify_whole_hf_config(model: str, *, seed: int = 0, confirm: bool | None = None
+                           ) -> WholeVerification:
     """``attnid verify --hf-config MODEL --whole``: the whole reduced model."""
     name, config = load_config(model)
     adapter = adapter_for(config)
