@@ -188,14 +188,14 @@ def arbiter_whole(config: dict[str, Any], *, seed: int = 0, seq_len: int = 6,
     n = n_sequences or max(vocab, -(-3 * P // (T * width)), 8)
     x = inputs_for(model, vocab, T, n, seed)
     fwd = whole_forward(kind, n_types, tied_aliases(model))
-    found = jacobian_rank(model, x, forward=fwd, seed=seed,
-                          return_null_space=return_null_space)
-    near_n = 0
-    if near:
-        exact = set_norm_eps_(copy.deepcopy(model), 0.0)
-        near_n = max(jacobian_rank(exact, x, forward=fwd, seed=seed).nullity
-                     - found.nullity, 0)
-    return WholeArbiter(found, near_n, kind, T)
+    found = jacobian_rank(model, x, forward=fwd, seed=seed, return_null_space=return_null_space,
+                          without_eps=_without_eps if near else None)
+    return WholeArbiter(found, found.near_nullity, kind, T)
+
+
+def _without_eps(model: nn.Module) -> nn.Module:
+    """The same model with every norm's epsilon at 0 (near-unidentified, docs/theory.md §12.5)."""
+    return set_norm_eps_(copy.deepcopy(model), 0.0)
 
 
 REDUCED_KEYS = ("hidden_size", "n_embd", "num_attention_heads", "n_head", "num_key_value_heads",
