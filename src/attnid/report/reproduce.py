@@ -246,8 +246,8 @@ def _table4_view(reports: list[dict], rows: list[dict]) -> tuple[list[dict], tup
         view.append(v)
     notes.append("QK gauge unid./layer: unidentified directions of one layer's query/key weights (the "
                  "QK gauge; key-bias translation and QK-norm gain transfer are counted in 'unidentified', "
-                 "not here: Qwen3-8B's 0 sits beside 64 gain-transfer and 40 near-unidentified directions "
-                 "per layer); 'no RoPE' counts as the paper does, ignoring the rotation. Ratio: "
+                 "not here: under QK-norm, as in Qwen3, the gauge is broken and this reads 0 while the "
+                 "gain transfer and the near-unidentified scales remain); 'no RoPE' counts as the paper does, ignoring the rotation. Ratio: "
                  "unidentified / attention parameters.")
     return view, tuple(notes)
 
