@@ -247,8 +247,8 @@ def _table4_view(reports: list[dict], rows: list[dict]) -> tuple[list[dict], tup
     notes.append("QK gauge unid./layer: unidentified directions of one layer's query/key weights (the "
                  "QK gauge; key-bias translation and QK-norm gain transfer are counted in 'unidentified', "
                  "not here: under QK-norm, as in Qwen3, the gauge is broken and this reads 0 while the "
-                 "gain transfer and the near-unidentified scales remain); 'no RoPE' counts as the paper does, "
-                 "ignoring the rotation. Ratio: unidentified / attention parameters.")
+                 "gain transfer and the near-unidentified scales remain); 'no RoPE' counts as the paper "
+                 "does, ignoring the rotation. Ratio: unidentified / attention parameters.")
     return view, tuple(notes)
 
 
