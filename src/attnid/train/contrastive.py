@@ -42,12 +42,19 @@ def load_encoder(path: str | Path) -> tuple[nn.Module, Any]:
     require("transformers", "hf")
     import transformers
 
-    transformers.utils.logging.set_verbosity_error()
+    log = transformers.utils.logging
+    verbosity, bars = log.get_verbosity(), log.is_progress_bar_enabled()
+    log.set_verbosity_error()  # quiet while loading, then the user's settings back
+    log.disable_progress_bar()
     try:
         tok = transformers.AutoTokenizer.from_pretrained(str(path))
         model = transformers.AutoModel.from_pretrained(str(path), attn_implementation="eager")
     except (OSError, ValueError) as e:
         raise AttnidError(f"cannot load an encoder from {path}: {e}") from None
+    finally:
+        log.set_verbosity(verbosity)
+        if bars:
+            log.enable_progress_bar()
     for m in model.modules():  # deterministic steps: no dropout
         if isinstance(m, nn.Dropout):
             m.p = 0.0
