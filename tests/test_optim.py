@@ -157,3 +157,32 @@ def test_float32_model_is_measured_like_its_float64_copy(spec: AttentionSpec):
         got, want = torch.tensor(mon.last[key]), torch.tensor(ref[key])
         err = float((got - want).abs().max() / want.abs().max())
         assert err < 1e-5, f"{key}: float32 snapshots vs float64 relative error {err:.2e}"
+
+
+def test_begin_end_measure_what_step_measures():
+    """The split form a Trainer callback uses gives the block form's numbers, and end() alone fails."""
+    spec = SPECS[0]
+    x = torch.randn(4, 8, 16, dtype=torch.float64)
+    results = []
+    for split in (False, True):
+        model = _model(spec)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        mon = Monitor(model)
+        _step(model, opt, x)
+        if split:
+            mon.begin()
+            opt.step()
+            results.append(mon.end())
+        else:
+            with mon.step():
+                opt.step()
+            results.append(mon.last)
+        assert mon.after is not None and len(mon.after) == 1
+    block, split_form = results
+    assert block.keys() == split_form.keys()
+    for key in block:
+        a, b = torch.tensor(block[key]), torch.tensor(split_form[key])
+        assert torch.allclose(a, b, rtol=1e-12, atol=0), (key, (a - b).abs().max().item())
+    assert max(max(r) for r in block["rho_qk"]) > 1e-3, "Adam's step must move along the orbit here"
+    with pytest.raises(AttnidError, match="begin"):
+        Monitor(_model(spec)).end()

@@ -87,6 +87,13 @@ class Monitor:
         self.near = near
         self.last: dict[str, list] = {}
         self._after: list[AttentionWeights] | None = None  # the last step's end point
+        self._before: list[AttentionWeights] | None = None  # set by begin(), used by end()
+        self._grads: dict[str, list] = {}
+
+    @property
+    def after(self) -> list[AttentionWeights] | None:
+        """The stacked weights (one container per spec group) after the last measured update."""
+        return self._after
 
     @property
     def layer_names(self) -> list[str]:
@@ -94,12 +101,25 @@ class Monitor:
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
-        grads = self._bias_grads()
-        before = self.batches.snapshot(unless_equal=self._after)  # usually: no copy, Grams known
+        """Measure the update applied inside the block (``begin`` before, ``end`` after)."""
+        self.begin()
         yield
+        self.end()
+
+    def begin(self) -> None:
+        """Before an update: read the bias gradients and the current point. For loops whose
+        hooks cannot wrap the update in one block (a `Trainer` callback)."""
+        self._grads = self._bias_grads()
+        self._before = self.batches.snapshot(unless_equal=self._after)  # usually: no copy, Grams known
+
+    def end(self) -> dict[str, list]:
+        """After the update: measure what moved since :meth:`begin`; sets and returns ``last``."""
+        if self._before is None:
+            raise AttnidError("Monitor.end() needs a Monitor.begin() before the update")
         after = self._after = self.batches.snapshot()
-        self.last = self.measure(before, after)
-        self.last.update(grads)
+        self.last = {**self.measure(self._before, after), **self._grads}
+        self._before = None
+        return self.last
 
     def _bias_grads(self) -> dict[str, list]:
         out: dict[str, list] = {}

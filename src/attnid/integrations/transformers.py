@@ -34,7 +34,6 @@ from transformers import TrainerCallback  # noqa: E402
 
 from attnid.monitor import Corrector, Monitor, parse_correction  # noqa: E402
 from attnid.symmetry.conserved import conserved  # noqa: E402
-from attnid.weights import AttentionWeights  # noqa: E402
 
 METRICS = ("rho_qk", "rho_vo", "beta_qk", "beta_vo", "drift_qk", "drift_vo")
 
@@ -60,7 +59,7 @@ class AttnidCallback(TrainerCallback):
         self.last: dict[str, Any] | None = None  # the latest measured record
         self._start: list[dict[str, torch.Tensor]] = []
         self._stack: contextlib.ExitStack | None = None
-        self._before: list[AttentionWeights] | None = None
+        self._measuring = False
         self._file: Path | None = None
         self._logged = -1
 
@@ -81,18 +80,17 @@ class AttnidCallback(TrainerCallback):
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         self._stack = contextlib.ExitStack()
-        self._before = self.monitor.batches.snapshot() if state.global_step % self.every == 0 else None
-        if self._before is not None:
-            self._grads = self.monitor._bias_grads()
+        self._measuring = state.global_step % self.every == 0
+        if self._measuring:
+            self.monitor.begin()
         self._stack.enter_context(self.corrector.step())
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         self._stack.close()  # the corrector acts first: the monitor sees the update that was applied
-        if self._before is None:
+        if not self._measuring:
             return
-        after = self.monitor.batches.snapshot()
-        vals = self.monitor.measure(self._before, after)
-        vals.update(self._grads)
+        vals = dict(self.monitor.end())
+        after = self.monitor.after
         for side in ("qk", "vo"):
             rows = vals[f"drift_{side}"]
             for idx, w, c0 in zip(self.monitor.batches.groups, after, self._start, strict=True):
@@ -100,7 +98,7 @@ class AttnidCallback(TrainerCallback):
                 d = d.flatten(-2).norm(dim=-1) if d.ndim - len(w.batch_shape) >= 3 else d.norm(dim=-1)
                 for j, i in enumerate(idx):
                     rows[i] = d[j].tolist()
-        self._before = None
+        self._measuring = False
         self.last = {"step": state.global_step + 1, "layers": self.monitor.layer_names, **vals}
         if self._file is not None:
             with self._file.open("a") as f:
