@@ -121,3 +121,12 @@ def all_names(files: Iterable[Path]) -> dict[str, tuple[Path, dict[str, Any], in
             if name != "__metadata__":
                 out[name] = (p, header, start)
     return out
+
+
+def weight_prefix(index: Iterable[str], first: str) -> str:
+    """The prefix a checkpoint puts before the adapter's tensor names (``"model."``, ``""``):
+    found from the first tensor name ``first`` the adapter expects."""
+    for name in index:
+        if name.endswith(first) and (len(name) == len(first) or name[-len(first) - 1] == "."):
+            return name[: -len(first)]
+    raise AttnidError(f"checkpoint has no tensor named like {first!r}: wrong architecture in config?")

@@ -26,7 +26,16 @@ from attnid.adapters.base import Adapter
 from attnid.adapters.config import load_config
 from attnid.adapters.registry import adapter_for
 from attnid.errors import AttnidError, require
-from attnid.io import DTYPES, all_names, read_bytes, read_header, read_tensor, weight_files, write_streaming
+from attnid.io import (
+    DTYPES,
+    all_names,
+    read_bytes,
+    read_header,
+    read_tensor,
+    weight_files,
+    weight_prefix,
+    write_streaming,
+)
 from attnid.spec import AttentionSpec
 from attnid.symmetry.rebalance import drop_key_bias as zero_free_key_bias
 from attnid.symmetry.rebalance import fold_value_bias as fold_value_bias_into_output
@@ -103,7 +112,7 @@ def make_plan(src: Path) -> Plan:
     specs = adapter.specs(config)
     files = weight_files(src)
     index = all_names(files)
-    plan = Plan(src, config, adapter, specs, files, index, _prefix(index, adapter.names(0, specs[0])[0]))
+    plan = Plan(src, config, adapter, specs, files, index, weight_prefix(index, adapter.names(0, specs[0])[0]))
     for i, s in enumerate(specs):
         for n in adapter.names(i, s):
             if plan.prefix + n not in index:
@@ -201,13 +210,6 @@ def _check_layer(w0: AttentionWeights, w1: AttentionWeights, dtype: torch.dtype,
     if not math.isfinite(rel) or rel > TOL.get(dtype, 1e-5):
         raise AttnidError(f"refused: layer {i} output changed by {rel:.2e} (relative) after surgery; "
                           "nothing was written")
-
-
-def _prefix(index: dict[str, Any], first: str) -> str:
-    for name in index:
-        if name.endswith(first) and (len(name) == len(first) or name[-len(first) - 1] == "."):
-            return name[: -len(first)]
-    raise AttnidError(f"checkpoint has no tensor named like {first!r}: wrong architecture in config?")
 
 
 def _copy_other_files(src: Path, dst: Path, weights: set[str]) -> None:

@@ -16,9 +16,8 @@ from attnid.adapters.base import Adapter
 from attnid.adapters.config import load_config
 from attnid.adapters.registry import adapter_for
 from attnid.errors import AttnidError
-from attnid.io import all_names, read_header, read_tensor, weight_files
+from attnid.io import all_names, read_header, read_tensor, weight_files, weight_prefix
 from attnid.spec import AttentionSpec
-from attnid.surgery import _prefix
 from attnid.weights import AttentionWeights
 
 
@@ -91,7 +90,7 @@ def open_checkpoint(model: str | Path) -> Checkpoint:
     for f in files:
         read_header(f)  # a clear error for a truncated or corrupt file
     index = all_names(files)
-    prefix = _prefix(index, adapter.names(0, specs[0])[0])
+    prefix = weight_prefix(index, adapter.names(0, specs[0])[0])
     ck = Checkpoint(path=path, config=config, adapter=adapter, specs=specs, index=index, prefix=prefix)
     for i in range(ck.n_layers):
         for n in ck.attention_names(i):
