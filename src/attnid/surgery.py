@@ -112,7 +112,8 @@ def make_plan(src: Path) -> Plan:
     specs = adapter.specs(config)
     files = weight_files(src)
     index = all_names(files)
-    plan = Plan(src, config, adapter, specs, files, index, weight_prefix(index, adapter.names(0, specs[0])[0]))
+    prefix = weight_prefix(index, adapter.names(0, specs[0])[0])
+    plan = Plan(src, config, adapter, specs, files, index, prefix)
     for i, s in enumerate(specs):
         for n in adapter.names(i, s):
             if plan.prefix + n not in index:
