@@ -235,6 +235,22 @@ def test_report_llama2_70b_prose(capsys):
     assert f"exactly unidentified per layer: {rope} " in out, out
 
 
+# ---- the CLI reference table: each command and flag it lists exists ---------------------------
+REFERENCE = [row.split(" | ")[0] for row in re.findall(r"^\| (`attnid .*?) \|$", README, re.M)]
+
+
+@pytest.mark.parametrize("cell", REFERENCE, ids=[c.split("`")[1][:40] for c in REFERENCE])
+def test_cli_reference_row(cell, capsys):
+    # the command path, e.g. ("experiment", "paper")
+    commands = {tuple(c.split()) for c in re.findall(r"`attnid ((?:[a-z]+ ?)+)", cell)}
+    assert len(commands) == 1, cell
+    code, out, err = _run_cli([*commands.pop(), "--help"], capsys)
+    assert code == 0, err
+    listed = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", cell))
+    missing = sorted(f for f in listed if not re.search(rf"(?<![\w-]){f}(?![\w-])", out))
+    assert not missing, f"the README lists {missing}, which --help does not show:\n{out}"
+
+
 # ---- ```bash: the two setup commands --------------------------------------------------------
 BASH = [(b, part.strip()) for b in blocks("bash") for part in b.text.strip().split("&&")]
 
@@ -306,6 +322,7 @@ def test_python_example(block: Block, tmp_path_factory, monkeypatch, capsys):
     before = dict(registry._REGISTRY)
     checks = marked(CHECKS, block)
     assert len(checks) == 1, f"{block.id}: {len(checks)} checks apply; give the example one in CHECKS"
+    capsys.readouterr()  # what the earlier blocks printed
     t = time.perf_counter()
     try:
         _exec(block, ns)
@@ -334,7 +351,8 @@ def _check_symmetry(ns, printed, cwd):
 
 def _check_monitor(ns, printed, cwd):
     assert len(printed.strip().splitlines()) == len(ns["batches"]), printed
-    assert set(ns["monitor"].last) >= {"rho_qk", "beta_qk"}
+    rho = ns["monitor"].last["rho_qk"]  # [layer][group], as the example's comment says
+    assert len(rho) == ns["model"].cfg.n_layers and all(len(r) == ns["model"].cfg.n_heads for r in rho), rho
 
 
 def _check_canonicalize(ns, printed, cwd):
@@ -361,6 +379,7 @@ def _check_testing(ns, printed, cwd):
 
 def _check_pretrained(ns, printed, cwd):
     assert ns["section"].claims and ("holds" in printed or "FAILS" in printed), printed
+    assert any((cwd / "figures").glob("*.png")), "no figure written"
 
 
 CHECKS = {
@@ -377,6 +396,18 @@ CHECKS = {
 
 # ---- the whole-model table ------------------------------------------------------------------
 TABLE = re.findall(r"^\| ([\w.-]+) \| ([\d,]+) \| ([\d,]+) \| ([\d,]+) \| ([\d.]+)% \|$", README, re.M)
+
+
+def test_whole_model_prose():
+    m = re.search(r"How much of (\S+) is identified\? ([\d.]+)% \(([\d,]+) unidentified directions in\s+"
+                  r"([\d,]+) parameters, and (\d+) near-unidentified\)", README)
+    assert m, "the README's whole-model sentence changed: update this test"
+    from attnid import count_model
+
+    c = count_model(m[1].replace("B", "b"))  # Llama-2-70B is bundled as Llama-2-70b
+    shown = tuple(int(m[i].replace(",", "")) for i in (3, 4, 5))
+    assert (c.unidentified, c.total, c.near_unidentified) == shown
+    assert f"{100 * (1 - c.unidentified / c.total):.2f}" == m[2]
 
 
 @pytest.mark.parametrize("row", TABLE, ids=[r[0] for r in TABLE])
