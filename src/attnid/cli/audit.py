@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from attnid.cli.app import Json, app, emit_json
+from attnid.cli.app import Json, app, console, emit_json
 
 
 @app.command("audit")
@@ -35,7 +35,6 @@ def audit_cmd(
 
 
 def _print(report: dict) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"{report['model']}  ({report['architecture']}, {report['spec']}, {report['dtype']})")
@@ -48,12 +47,12 @@ def _print(report: dict) -> None:
                       "-" if r["key_bias_invisible"] is None else f"{_med(r['key_bias_invisible']):.2f}",
                       "-" if r["value_bias_foldable"] is None else f"{r['value_bias_foldable']:.3g}",
                       f"{r['removable_norm']:.3g}", f"{r['removable_share']:.3f}")
-    console = Console(width=160)
-    console.print(table)
+    out = console()
+    out.print(table)
     s = report["summary"]
-    console.print(f"beta_qk median {s['beta_qk_median']:.3f} max {s['beta_qk_max']:.3f}   "
-                  f"beta_vo median {s['beta_vo_median']:.3f} max {s['beta_vo_max']:.3f}   "
-                  f"removable norm {s['removable_norm']:.3g}")
+    out.print(f"beta_qk median {s['beta_qk_median']:.3f} max {s['beta_qk_max']:.3f}   "
+              f"beta_vo median {s['beta_vo_median']:.3f} max {s['beta_vo_max']:.3f}   "
+              f"removable norm {s['removable_norm']:.3g}")
 
 
 def _med(x) -> float:

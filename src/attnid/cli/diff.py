@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from attnid.cli.app import Json, app, emit_json
+from attnid.cli.app import Json, app, console, emit_json
 
 
 @app.command("diff")
@@ -29,7 +29,6 @@ def diff_cmd(
 
 
 def _print(r: dict) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"{r['model_b']} vs {r['model_a']}  ({r['architecture']}, {r['dtype']})")
@@ -39,17 +38,17 @@ def _print(r: dict) -> None:
         table.add_row(str(x["layer"]), f"{x['raw_distance']:.3g}", f"{x['aligned_distance']:.3g}",
                       f"{x['gauge_share']:.4f}", f"{x['worst_tensor']} (head {x['worst_head']})",
                       f"{x['residual']:.2e}")
-    console = Console(width=150)
-    console.print(table)
+    out = console()
+    out.print(table)
     o = r["other"]
     if o["worst_tensor"] is not None:
-        console.print(f"outside attention: largest difference {o['residual']:.2e} in {o['worst_tensor']}")
-    console.print("covers: " + "; ".join(r["covers"]))
+        out.print(f"outside attention: largest difference {o['residual']:.2e} in {o['worst_tensor']}")
+    out.print("covers: " + "; ".join(r["covers"]))
     b = r["break"]
     if b is None:
-        console.print(f"CERTIFIED: B computes A's function up to {r['dtype']} rounding "
-                      f"(every residual <= {r['tolerance']:.1e})")
+        out.print(f"CERTIFIED: B computes A's function up to {r['dtype']} rounding "
+                  f"(every residual <= {r['tolerance']:.1e})")
     else:
         where = "outside attention" if b["layer"] is None else f"layer {b['layer']}, head {b['head']}"
-        console.print(f"NOT CERTIFIED: {where}, {b['tensor']}: residual {b['residual']:.2e} "
-                      f"(rounding level {r['tolerance']:.1e})")
+        out.print(f"NOT CERTIFIED: {where}, {b['tensor']}: residual {b['residual']:.2e} "
+                  f"(rounding level {r['tolerance']:.1e})")

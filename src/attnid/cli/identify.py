@@ -21,6 +21,7 @@ from attnid.cli.app import (
     _describe,
     _print_rows,
     app,
+    console,
     emit_json,
     make_spec,
     print_count,
@@ -162,31 +163,29 @@ def report_cmd(
                    f"unidentified, {nr['near_unidentified']} near-unidentified")
         _echo_whole(rep)
         return
-    from rich.console import Console
-
-    console = Console(width=110)
+    out = console()
     a = rep["attention"]
     mp = rep["model_params"]
-    console.print(f"[bold]{rep['model']}[/bold]  ({rep['architecture']}, {rep['n_layers']} layers"
-                  + (f", {mp:,} parameters in the model" if mp else "") + ")")
+    out.print(f"[bold]{rep['model']}[/bold]  ({rep['architecture']}, {rep['n_layers']} layers"
+              + (f", {mp:,} parameters in the model" if mp else "") + ")")
     print_count_dict(rep["layers"][0], f"one layer: {_describe(rep['spec'])}")
-    console.print(f"all {rep['n_layers']} layers: attention parameters {a['total']:,}, unidentified "
-                  f"{a['unidentified']:,} (ratio {a['ratio']:.5f}), near-unidentified "
-                  f"{a['near_unidentified']:,}")
+    out.print(f"all {rep['n_layers']} layers: attention parameters {a['total']:,}, unidentified "
+              f"{a['unidentified']:,} (ratio {a['ratio']:.5f}), near-unidentified "
+              f"{a['near_unidentified']:,}")
     comps = rep["layers"][0]["components"]
     qk_other = sum(v["unidentified"] for k, v in comps.items()
                    if k in ("key_bias_translation", "qk_norm_gain_transfer"))
     qk_near = sum(v["near_unidentified"] for k, v in comps.items()
                   if k in ("qk_gauge", "key_bias_translation", "qk_norm_gain_transfer"))
-    console.print(f"QK gauge (query/key weights), exactly unidentified per layer: "
-                  f"{rep['qk_unidentified_per_layer']:,} (with MHA instead: "
-                  f"{rep['qk_unidentified_per_layer_if_mha']:,}); counted as in the paper, without "
-                  f"RoPE: {rep['qk_unidentified_per_layer_without_rope']:,} (MHA: "
-                  f"{rep['qk_unidentified_per_layer_without_rope_if_mha']:,}); the rest of the QK "
-                  f"side per layer: {qk_other:,} unidentified (key-bias translation, QK-norm gain "
-                  f"transfer), {qk_near:,} near-unidentified")
+    out.print(f"QK gauge (query/key weights), exactly unidentified per layer: "
+              f"{rep['qk_unidentified_per_layer']:,} (with MHA instead: "
+              f"{rep['qk_unidentified_per_layer_if_mha']:,}); counted as in the paper, without "
+              f"RoPE: {rep['qk_unidentified_per_layer_without_rope']:,} (MHA: "
+              f"{rep['qk_unidentified_per_layer_without_rope_if_mha']:,}); the rest of the QK "
+              f"side per layer: {qk_other:,} unidentified (key-bias translation, QK-norm gain "
+              f"transfer), {qk_near:,} near-unidentified")
     if rep.get("layers_identical"):
-        console.print(f"all {rep['n_layers']} layers are identical")
+        out.print(f"all {rep['n_layers']} layers are identical")
     _echo_whole(rep)
 
 
