@@ -198,6 +198,7 @@ def _claims(rep, adamw, sgd, proj, acc0) -> list[dict[str, Any]]:
 
 def _figures(runs, rep, where: Path) -> list[Figure]:
     """Two PNGs under ``where`` (matplotlib's object API: the user's backend is left alone)."""
+    where.mkdir(parents=True, exist_ok=True)
     require("matplotlib", "report")
     from matplotlib.figure import Figure as MplFigure
     from matplotlib.lines import Line2D
