@@ -23,12 +23,14 @@ def test_reproduce_quick_writes_everything_and_every_claim_holds(tmp_path):
     assert len(err) >= 20 and all(re.match(r"\d\d:\d\d:\d\d ", ln) for ln in err), err[:5]
     assert any(re.search(r"run 5/17 .*\(ETA \d\d:\d\d:\d\d", ln) for ln in err), err
     for stem in ("table1_ratio_vs_heads", "table2_biases", "table3_variants", "table4_models",
-                 "table5_single_head", "training_summary"):
+                 "table5_single_head", "training_summary", "whole_model_counts", "whole_model_checks",
+                 "pretrained_finetune", "pretrained_audit"):
         for ext in ("csv", "json", "md"):
             path = out / "tables" / f"{stem}.{ext}"
             assert path.exists() and path.stat().st_size > 0, path
     figs = ("fig1_ratio_vs_heads", "fig2_qk", "fig2_vo", "fig3_bias_grads", "fig4_drift_qk",
-            "fig4_drift_vo", "fig2_qk_rope", "fig2_qk_gqa", "fig5_second_order", "fig_project")
+            "fig4_drift_vo", "fig2_qk_rope", "fig2_qk_gqa", "fig5_second_order", "fig_project",
+            "pretrained_finetune", "pretrained_audit")
     for fig in figs:
         path = out / "figures" / f"{fig}.png"
         assert path.exists() and path.read_bytes()[:4] == b"\x89PNG", path
