@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from attnid.adapters.base import Adapter
+from attnid.adapters.base import Adapter, hf_model_class
 from attnid.adapters.config import load_config
 from attnid.adapters.registry import adapter_for
 from attnid.errors import AttnidError, require
@@ -233,9 +233,7 @@ def _end_to_end(src: Path, out: Path, config: dict[str, Any]) -> float:
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    arch = (config.get("architectures") or [None])[0]
-    cls = getattr(transformers, arch, None) if arch else None
-    loader = cls if cls is not None else transformers.AutoModel
+    loader = hf_model_class(config)  # the one resolver of an architecture to its class
     try:
         a = loader.from_pretrained(src).eval()
         b = loader.from_pretrained(out).eval()
