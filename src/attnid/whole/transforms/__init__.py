@@ -1,0 +1,30 @@
+"""Whole-model symmetries as function-preserving maps on Hugging Face models (GPT-2,
+GPT-NeoX, Llama/Mistral/Qwen2; BERT's embeddings and MLP). Each returns a new model (a deep
+copy, ties kept); the input is never touched. Split by mathematics: ``norms`` (gain, bias,
+centring), ``residual`` (rotation, all-ones shifts, parallel biases), ``mlp`` (per-neuron
+scaling), ``embeddings`` (translation, logit shift); ``layout`` says where each acts.
+
+>>> import torch
+>>> from attnid.whole import transforms as T
+>>> from attnid.whole.check import tiny_model
+>>> gpt2 = tiny_model(dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], n_embd=8,
+...                        n_head=2, n_layer=1, vocab_size=12, n_positions=6))
+>>> new = T.embedding_translation(gpt2, torch.full((8,), 0.5, dtype=torch.float64))
+>>> new is not gpt2
+True
+"""
+
+from attnid.whole.transforms.embeddings import embedding_translation, logit_shift
+from attnid.whole.transforms.layout import Layout, layout_of
+from attnid.whole.transforms.mlp import mlp_scaling
+from attnid.whole.transforms.norms import centring_move, norm_bias_transfer, norm_gain_transfer
+from attnid.whole.transforms.residual import (
+    ones_shift,
+    parallel_bias_transfer,
+    residual_rotation,
+    table_shift,
+)
+
+__all__ = ["Layout", "centring_move", "embedding_translation", "layout_of", "logit_shift",
+           "mlp_scaling", "norm_bias_transfer", "norm_gain_transfer", "ones_shift",
+           "parallel_bias_transfer", "residual_rotation", "table_shift"]

@@ -1,0 +1,91 @@
+"""Symmetries at a residual norm ``y = g * xhat + b`` read by linear maps ``W y + c``
+(docs/theory.md §13.2 and §13.8).
+
+* :func:`norm_gain_transfer`: ``g, b -> s g, s b``, readers' input columns ``/ s``;
+* :func:`norm_bias_transfer` (LayerNorm): ``b -> b + delta``, each reader's bias ``- W delta``
+  (a reader without a bias absorbs it with a centring move instead);
+* :func:`centring_move` (LayerNorm): ``xhat`` is orthogonal to all-ones, so a reader
+  ``W -> W + v (1/g)^T`` sees only the constant ``v sum(b / g)``, taken off its bias.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from attnid.whole.transforms.layout import get_b, get_w, layout_of, norm_by_path, set_b_, set_w_
+
+
+def _gb(model: nn.Module, path: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    n = model.get_submodule(path)
+    if "Gemma" in type(n).__name__:
+        raise ValueError("Gemma's (1 + w) gain is not handled")
+    b = getattr(n, "bias", None)
+    return n.weight.detach(), None if b is None else b.detach()
+
+
+def norm_gain_transfer(model: nn.Module, norm: str, s: torch.Tensor) -> nn.Module:
+    """Norm ``norm``'s gain (and bias) times ``s`` (``[d]``, nonzero), its readers' input
+    columns ``/ s``. Returns a new model."""
+    new = copy.deepcopy(model)
+    nm = norm_by_path(layout_of(new), norm)
+    if nm.absorb is not None or not nm.gain:
+        raise ValueError(f"{norm}'s gain is seen beyond its readers (the residual stream or a "
+                         "tied unembedding)")
+    g, b = _gb(new, norm)
+    s = s.to(g.dtype)
+    with torch.no_grad():
+        g.mul_(s)
+        if b is not None:
+            b.mul_(s)
+    for lin in nm.readers:
+        set_w_(new, lin, get_w(new, lin) / s[None, :])
+    return new
+
+
+def norm_bias_transfer(model: nn.Module, norm: str, delta: torch.Tensor) -> nn.Module:
+    """LayerNorm bias ``b -> b + delta`` (``[d]``); each reader ``W y + c`` gets
+    ``c - W delta``, or, without a bias, ``W + v (1/g)^T`` with ``v = -W delta / sum((b + delta)/g)``
+    (needs that sum nonzero). Post-LN: the residual sum's other term takes ``- delta`` too.
+    Returns a new model."""
+    new = copy.deepcopy(model)
+    nm = norm_by_path(layout_of(new), norm)
+    g, b = _gb(new, norm)
+    if b is None:
+        raise ValueError(f"{norm} has no bias")
+    delta = delta.to(g.dtype)
+    for lin in nm.readers:
+        W, c = get_w(new, lin), get_b(new, lin)
+        if c is not None:
+            set_b_(new, lin, c - W @ delta)
+        else:
+            v = -(W @ delta) / ((b + delta) / g).sum()
+            set_w_(new, lin, W + v[:, None] / g[None, :])
+    if nm.absorb is not None:
+        set_b_(new, nm.absorb, get_b(new, nm.absorb) - delta)
+    with torch.no_grad():
+        b.add_(delta)
+    return new
+
+
+def centring_move(model: nn.Module, norm: str, reader: int, v: torch.Tensor) -> nn.Module:
+    """LayerNorm ``norm``'s reader number ``reader``: ``W -> W + v (1/g)^T`` (``v`` ``[out]``),
+    its bias ``- v sum(b / g)``. Returns a new model."""
+    new = copy.deepcopy(model)
+    lay = layout_of(new)
+    if lay.norm != "layer":
+        raise ValueError("centring moves need a LayerNorm (an RMSNorm's output is not centred)")
+    lin = norm_by_path(lay, norm).readers[reader]
+    if lay.tied and lin == lay.unembed:
+        raise ValueError("the reader is a tied unembedding (the token table moves with it)")
+    g, b = _gb(new, norm)
+    W, c = get_w(new, lin), get_b(new, lin)
+    v = v.to(W.dtype)
+    if b is not None:
+        if c is None:
+            raise ValueError("a biased LayerNorm read without a bias: use norm_bias_transfer")
+        set_b_(new, lin, c - v * (b / g).sum())
+    set_w_(new, lin, W + v[:, None] / g[None, :])
+    return new
