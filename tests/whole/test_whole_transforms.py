@@ -16,15 +16,25 @@ LLAMA = dict(CASES["llama-untied"], num_hidden_layers=2, rms_norm_eps=1e-6)
 GPT2 = CASES["gpt2-2layers"]  # tied
 GPT2_UNTIED = dict(GPT2, tie_word_embeddings=False)
 NEOX = dict(CASES["neox-parallel"], num_hidden_layers=2)
+NEOX_NO_BIAS = dict(CASES["neox-partial-rotary-no-attn-bias"], num_hidden_layers=2)
 BERT = dict(CASES["bert-mlm-tied"], num_hidden_layers=2)
 BERT_BARE = CASES["bert-bare-model"]
+ROBERTA = CASES["roberta-mlm-tied"]
+ROBERTA_UNTIED = CASES["roberta-mlm-untied"]
+
+
+def tied_pad_direction(m):
+    """RoBERTa tied: the pad row may move only along 1 / g of the head's LayerNorm."""
+    return 0.7 / m.lm_head.layer_norm.weight.detach()
+
 
 
 def function(model):
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (3, 6), generator=gen)
-    kw = {"token_type_ids": torch.randint(0, model.config.type_vocab_size, (3, 6), generator=gen)} \
-        if model.config.model_type == "bert" else {}
+    ids[0, 2] = 1  # RoBERTa's pad token (an ordinary token elsewhere)
+    n_types = getattr(model.config, "type_vocab_size", 0)
+    kw = {"token_type_ids": torch.randint(0, n_types, (3, 6), generator=gen)} if n_types else {}
     with torch.no_grad(), Float64Mode():
         out = model(input_ids=ids, **kw)
     if hasattr(out, "logits"):
@@ -82,6 +92,10 @@ CASES_T = {
     "neox-norm-gain": (NEOX, lambda m: T.norm_gain_transfer(
         m, "gpt_neox.layers.1.post_attention_layernorm", r(8, 19))),
     "neox-ones-shift": (NEOX, lambda m: T.ones_shift(m, 0, 1, randn(6, seed=20), 0.5)),
+    # GPT-NeoX without attention biases behind a biased LayerNorm, half-rotary heads
+    "neox-key-offset": (NEOX_NO_BIAS, lambda m: T.key_offset(
+        m, 1, torch.cat([torch.zeros(2, 2), randn(2, 2, seed=30)], 1))),
+    "neox-value-offset": (NEOX_NO_BIAS, lambda m: T.value_offset(m, 0, 0.8)),
     # BERT: post-LN, token types, tied masked-LM head
     "bert-post-norm-bias": (BERT, lambda m: T.norm_bias_transfer(
         m, "bert.encoder.layer.0.output.LayerNorm", randn(8, seed=21))),
@@ -99,6 +113,15 @@ CASES_T = {
     "bert-tied-logit-constant": (BERT, lambda m: T.logit_shift(m, torch.zeros(8), 0.9)),
     "bert-bare-norm-bias": (BERT_BARE, lambda m: T.norm_bias_transfer(
         m, "embeddings.LayerNorm", randn(8, seed=29))),
+    # RoBERTa: the pad token's pair of rows, the position rows below padding_idx
+    "roberta-padding-translation": (ROBERTA_UNTIED, lambda m: T.padding_translation(
+        m, randn(8, seed=31))),
+    "roberta-tied-padding-translation": (ROBERTA, lambda m: T.padding_translation(
+        m, tied_pad_direction(m))),
+    "roberta-unreachable-positions": (ROBERTA, lambda m: T.unreachable_positions_move(
+        m, randn(1, 8, seed=32))),
+    "roberta-post-norm-bias": (ROBERTA, lambda m: T.norm_bias_transfer(
+        m, "roberta.embeddings.LayerNorm", randn(8, seed=33))),
 }
 
 
@@ -127,6 +150,11 @@ REFUSED = {
                             lambda m: T.mlp_scaling(m, 0, -r(6, 1))),
     "tied-token-rows": (GPT2, lambda m: T.table_shift(m, 0, randn(12, seed=1))),
     "rms-centring": (LLAMA, lambda m: T.centring_move(m, "model.norm", 0, randn(12, seed=1))),
+    "rotated-key-offset": (NEOX_NO_BIAS, lambda m: T.key_offset(m, 0, randn(2, 4, seed=1))),
+    "biased-attention-offset": (NEOX, lambda m: T.value_offset(m, 0, 1.0)),
+    "tied-pad-row-off-direction": (ROBERTA, lambda m: T.padding_translation(m, randn(8, seed=1))),
+    "bert-has-no-padding-offset": (BERT, lambda m: T.unreachable_positions_move(
+        m, randn(1, 8, seed=1))),
     "sequential-parallel-bias": (GPT2, lambda m: T.parallel_bias_transfer(m, 0, randn(8, seed=1))),
 }
 

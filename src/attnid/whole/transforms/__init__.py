@@ -2,7 +2,9 @@
 GPT-NeoX, Llama/Mistral/Qwen2; BERT's embeddings and MLP). Each returns a new model (a deep
 copy, ties kept); the input is never touched. Split by mathematics: ``norms`` (gain, bias,
 centring), ``residual`` (rotation, all-ones shifts, parallel biases), ``mlp`` (per-neuron
-scaling), ``embeddings`` (translation, logit shift); ``layout`` says where each acts.
+scaling), ``embeddings`` (translation, logit shift), ``attention`` (offsets of bias-free
+attention behind a biased LayerNorm); ``layout`` says where each acts; ``span`` collects every
+tangent direction for the completeness check.
 
 >>> import torch
 >>> from attnid.whole import transforms as T
@@ -14,7 +16,13 @@ scaling), ``embeddings`` (translation, logit shift); ``layout`` says where each 
 True
 """
 
-from attnid.whole.transforms.embeddings import embedding_translation, logit_shift
+from attnid.whole.transforms.attention import key_offset, value_offset
+from attnid.whole.transforms.embeddings import (
+    embedding_translation,
+    logit_shift,
+    padding_translation,
+    unreachable_positions_move,
+)
 from attnid.whole.transforms.layout import Layout, layout_of
 from attnid.whole.transforms.mlp import mlp_scaling
 from attnid.whole.transforms.norms import centring_move, norm_bias_transfer, norm_gain_transfer
@@ -25,6 +33,7 @@ from attnid.whole.transforms.residual import (
     table_shift,
 )
 
-__all__ = ["Layout", "centring_move", "embedding_translation", "layout_of", "logit_shift",
+__all__ = ["Layout", "centring_move", "embedding_translation", "key_offset", "layout_of", "logit_shift",
            "mlp_scaling", "norm_bias_transfer", "norm_gain_transfer", "ones_shift",
-           "parallel_bias_transfer", "residual_rotation", "table_shift"]
+           "padding_translation", "parallel_bias_transfer", "residual_rotation", "table_shift",
+           "unreachable_positions_move", "value_offset"]

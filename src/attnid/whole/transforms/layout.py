@@ -8,6 +8,7 @@ Linear maps are handled as ``[out, in]`` matrices whatever their storage (GPT-2'
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -48,6 +49,7 @@ class Layout:
     unembed: Lin | None  # the LM head (None: a bare model)
     tied: bool  # the unembedding is the token table
     post: bool = False  # post-LN (BERT): the stream itself is a norm's output
+    padding_idx: int | None = None  # RoBERTa: position rows start after it
 
 
 def get_w(model: nn.Module, lin: Lin) -> torch.Tensor:
@@ -137,11 +139,12 @@ def _llama(model: nn.Module) -> Layout:
                   "gated", unembed, tied)
 
 
-def _bert(model: nn.Module) -> Layout:
+def _bert(model: nn.Module, base: str = "bert", head: tuple[str, str, str] = (
+        "cls", "cls.predictions.transform.", "cls.predictions.")) -> Layout:
     """Post-LN: ``x -> LN(x + sublayer(x))``. Each norm feeds the next sublayer's readers and
     its residual sum; the last one feeds the masked-LM transform (a pre-LN reader), whose own
-    LayerNorm feeds the decoder."""
-    b = _base(model, "bert")
+    LayerNorm feeds the decoder. ``head``: (attribute, transform prefix, decoder prefix)."""
+    b = _base(model, base)
     L = [f"{b}encoder.layer.{i}." for i in range(model.config.num_hidden_layers)]
     e = f"{b}embeddings."
     qkv = lambda p: tuple(Lin(f"{p}attention.self.{x}") for x in ("query", "key", "value"))  # noqa: E731
@@ -152,23 +155,30 @@ def _bert(model: nn.Module) -> Layout:
                           Lin(f"{p}output.dense")))
         before = f"{p}output.LayerNorm"
     unembed, tied = None, False
-    if hasattr(model, "cls"):
-        h = "cls.predictions."
-        unembed = Lin(f"{h}decoder")
+    attr, tr, dec = head
+    if hasattr(model, attr):
+        unembed = Lin(f"{dec}decoder")
         tied = model.get_submodule(unembed.path).weight is model.get_submodule(
             f"{e}word_embeddings").weight
-        norms.append(Norm(before, (Lin(f"{h}transform.dense"),)))
-        norms.append(Norm(f"{h}transform.LayerNorm", (unembed,), gain=not tied))
+        norms.append(Norm(before, (Lin(f"{tr}dense"),)))
+        ln = "LayerNorm" if attr == "cls" else "layer_norm"
+        norms.append(Norm(f"{tr}{ln}", (unembed,), gain=not tied))
     tables = (f"{e}word_embeddings", f"{e}position_embeddings", f"{e}token_type_embeddings")
+    pad = model.config.pad_token_id if base == "roberta" else None
     return Layout("layer", tuple(norms),
                   tuple((Lin(f"{p}attention.output.dense"), Lin(f"{p}output.dense")) for p in L),
                   False, tables,
                   tuple((Lin(f"{p}intermediate.dense"), Lin(f"{p}output.dense")) for p in L),
-                  _act(model), unembed, tied, post=True)
+                  _act(model), unembed, tied, post=True, padding_idx=pad)
+
+
+def _roberta(model: nn.Module) -> Layout:
+    return _bert(model, "roberta", ("lm_head", "lm_head.", "lm_head."))
 
 
 FAMILIES = {"gpt2": _gpt2, "gpt_neox": _neox, "llama": _llama, "mistral": _llama,
-            "qwen2": _llama, "qwen3": _llama, "bert": _bert}
+            "qwen2": _llama, "qwen3": _llama, "bert": _bert,
+            "roberta": _roberta}
 
 
 def layout_of(model: nn.Module) -> Layout:
@@ -185,3 +195,25 @@ def norm_by_path(lay: Layout, path: str) -> Norm:
             return n
     raise ValueError(f"{path!r} is not a residual norm with readers here "
                      f"(have: {', '.join(n.path for n in lay.norms)})")
+
+
+class ParamsBySuffix(Mapping):
+    """A model's parameters by their names without the outer prefix (``h.0.attn...``)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.p = dict(model.named_parameters())
+
+    def full(self, key: str) -> str:
+        hits = [n for n in self.p if n == key or n.endswith("." + key)]
+        if len(hits) != 1:
+            raise KeyError(key)
+        return hits[0]
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.p[self.full(key)].detach()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.p)
+
+    def __len__(self) -> int:
+        return len(self.p)

@@ -6,7 +6,8 @@ central differences (error ~ t^2); attention's directions come from
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,11 +18,12 @@ from attnid.adapters.registry import adapter_for
 from attnid.symmetry.tangent import tangent_basis
 from attnid.weights import AttentionWeights
 from attnid.whole.check import function_kind, tied_aliases, token_types, whole_forward
+from attnid.whole.transforms import attention as A
 from attnid.whole.transforms import embeddings as E
 from attnid.whole.transforms import mlp as M
 from attnid.whole.transforms import norms as N
 from attnid.whole.transforms import residual as R
-from attnid.whole.transforms.layout import get_b, get_w, layout_of
+from attnid.whole.transforms.layout import ParamsBySuffix, get_b, get_w, layout_of
 
 
 def flat(model: nn.Module) -> torch.Tensor:
@@ -34,32 +36,10 @@ def tangent(model: nn.Module, transform: Callable[[nn.Module, float], nn.Module]
     return (flat(transform(model, t)) - flat(transform(model, -t))) / (2 * t)
 
 
-class _BySuffix(Mapping):
-    """A model's parameters by their names without the outer prefix (``h.0.attn...``)."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.p = dict(model.named_parameters())
-
-    def full(self, key: str) -> str:
-        hits = [n for n in self.p if n == key or n.endswith("." + key)]
-        if len(hits) != 1:
-            raise KeyError(key)
-        return hits[0]
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        return self.p[self.full(key)].detach()
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.p)
-
-    def __len__(self) -> int:
-        return len(self.p)
-
-
 def attention_directions(model: nn.Module, config: dict[str, Any]) -> list[torch.Tensor]:
     """Every layer's attention orbit tangent (the attention closed form's directions)."""
     adapter = adapter_for(config)
-    params = _BySuffix(model)
+    params = ParamsBySuffix(model)
     out = []
     for i, spec in enumerate(adapter.specs(config)):
         basis = tangent_basis(adapter.read(params, i, spec))
@@ -84,6 +64,25 @@ def _rotation_generators(d: int, layer_norm: bool) -> list[torch.Tensor]:
     k = U.shape[1]
     return [torch.outer(U[:, i], U[:, j]) - torch.outer(U[:, j], U[:, i])
             for i in range(k) for j in range(i + 1, k)]
+
+
+def offset_directions(model: nn.Module, config: dict[str, Any]) -> list[torch.Tensor]:
+    """Key and value offsets of attentions without biases behind a biased LayerNorm."""
+    lay = layout_of(model)
+    out: list[torch.Tensor] = []
+    for i, spec in enumerate(adapter_for(config).specs(config)):
+        biased = lay.norm == "layer" and not lay.post and getattr(
+            model.get_submodule(lay.norms[2 * i].path), "bias", None) is not None
+        if spec.bias or not biased:
+            continue
+        for gi in range(spec.n_kv_heads):
+            for j in range(spec.rope_dims, spec.head_dim):
+                kappa = torch.zeros(spec.n_kv_heads, spec.head_dim, dtype=torch.float64)
+                kappa[gi, j] = 1.0
+                out.append(tangent(model, lambda m, t, i=i, k=kappa: A.key_offset(m, i, t * k)))
+        with contextlib.suppress(ValueError):  # no value offset reaches all-ones here
+            out.append(tangent(model, lambda m, t, i=i: A.value_offset(m, i, t)))
+    return out
 
 
 def unread_directions(model: nn.Module, config: dict[str, Any]) -> list[torch.Tensor]:
@@ -123,7 +122,7 @@ def symmetry_directions(model: nn.Module, config: dict[str, Any]) -> Directions:
     layer = lay.norm == "layer"
     g: dict[str, list[torch.Tensor]] = {k: [] for k in (
         "norm gains", "norm biases", "centring", "rotations", "ones shifts", "parallel biases",
-        "translations", "mlp scaling", "logit shift", "attention", "unread")}
+        "translations", "padding", "mlp scaling", "logit shift", "attention", "attention offsets", "unread")}
     for nm in lay.norms:
         if nm.gain and nm.absorb is None:
             g["norm gains"] += [tangent(model, lambda m, t, p=nm.path, e=e: N.norm_gain_transfer(
@@ -170,11 +169,23 @@ def symmetry_directions(model: nn.Module, config: dict[str, Any]) -> Directions:
     for k in range(1, len(lay.tables)):
         g["translations"] += [tangent(model, lambda m, t, k=k, e=e: E.embedding_translation(
             m, t * e, k)) for e in _basis(d)]
+    if lay.padding_idx is not None:
+        pad = lay.padding_idx
+        if lay.tied:
+            g_head = model.get_submodule(lay.norms[-1].path).weight.detach()
+            us = [1 / g_head]
+        else:
+            us = _basis(d)
+        g["padding"] = [tangent(model, lambda m, t, u=u: E.padding_translation(m, t * u))
+                        for u in us]
+        g["padding"] += [tangent(model, lambda m, t, e=e: E.unreachable_positions_move(
+            m, t * e.reshape(pad, d))) for e in _basis(pad * d)]
     if lay.mlp != "other":
         for i, (up, _) in enumerate(lay.mlps):
             g["mlp scaling"] += [tangent(model, lambda m, t, i=i, e=e: M.mlp_scaling(
                 m, i, torch.exp(t * e))) for e in _basis(get_w(model, up).shape[0])]
     g["attention"] = attention_directions(model, config)
+    g["attention offsets"] = offset_directions(model, config)
     g["unread"] = unread_directions(model, config)
     return Directions({k: torch.stack(v, 1) for k, v in g.items() if v})
 
