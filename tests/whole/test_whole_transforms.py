@@ -164,3 +164,16 @@ def test_transform_refuses_what_is_no_symmetry(name):
     config, transform = REFUSED[name]
     with pytest.raises(ValueError):
         transform(tiny_model(config, seed=0))
+
+
+def test_readme_example_runs_as_shown(capsys):
+    """The README's transforms example, extracted and run exactly as written."""
+    from pathlib import Path
+
+    text = Path(__file__).resolve().parents[2].joinpath("README.md").read_text()
+    section = text[text.index("## Whole-model identification"):]
+    code = section[section.index("```python\n") + 10:]
+    code = code[:code.index("```")]
+    assert "T.norm_bias_transfer" in code
+    exec(compile(code, "README.md", "exec"), {})
+    assert capsys.readouterr().out.strip() == "True"

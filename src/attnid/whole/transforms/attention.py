@@ -1,5 +1,5 @@
 """Offsets that an attention without biases reads from a biased LayerNorm (GPT-NeoX with
-``attention_bias=False``; docs/theory.md §13.12). Behind ``y = g * xhat + b`` a reader ``W``
+``attention_bias=False``; docs/theory.md §13.14). Behind ``y = g * xhat + b`` a reader ``W``
 sees the constant ``W b``; ``W -> W + v (1/g)^T / s`` with ``s = sum(b / g)`` adds the constant
 ``v`` to its outputs and nothing else (``xhat`` is orthogonal to all-ones):
 

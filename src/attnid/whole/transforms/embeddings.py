@@ -1,11 +1,11 @@
-"""Symmetries of the embeddings and the head (docs/theory.md §13.5 and §13.10).
+"""Symmetries of the embeddings and the head (docs/theory.md §13.8, §13.11, §13.13).
 
 * :func:`embedding_translation`: the stream starts from the sum of a token row and a position
   (or token-type) row, so the token table ``+ t`` and the other table ``- t`` leave every sum;
   a tied token table is also the unembedding, whose logits then move by the same amount
   at every vocabulary entry (log-probabilities ignore it);
 * :func:`logit_shift`: every unembedding row plus one vector ``u`` (untied heads);
-* RoBERTa (§13.6): :func:`padding_translation` (the pad token's row ``+ u``, position row
+* RoBERTa (§13.13): :func:`padding_translation` (the pad token's row ``+ u``, position row
   ``padding_idx`` ``- u``: that token only ever sits there) and
   :func:`unreachable_positions_move` (position rows below ``padding_idx`` are never read).
 """

@@ -1,4 +1,4 @@
-"""Per-neuron MLP scaling (docs/theory.md §13.4): a gated MLP ``down(act(gate x) * up x)`` is
+"""Per-neuron MLP scaling (docs/theory.md §13.10): a gated MLP ``down(act(gate x) * up x)`` is
 linear in ``up``'s row ``j``; ``relu(c z) = c relu(z)`` for ``c > 0``. Either way neuron ``j``'s
 input side ``* c_j`` and ``down``'s column ``j`` ``/ c_j`` keep the output."""
 

@@ -1,5 +1,5 @@
 """Symmetries at a residual norm ``y = g * xhat + b`` read by linear maps ``W y + c``
-(docs/theory.md §13.2 and §13.8).
+(docs/theory.md §13.2-§13.4, §13.12).
 
 * :func:`norm_gain_transfer`: ``g, b -> s g, s b``, readers' input columns ``/ s``;
 * :func:`norm_bias_transfer` (LayerNorm): ``b -> b + delta``, each reader's bias ``- W delta``

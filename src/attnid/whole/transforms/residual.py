@@ -1,4 +1,4 @@
-"""Symmetries of the residual stream (docs/theory.md §13.3 and §13.9).
+"""Symmetries of the residual stream (docs/theory.md §13.5, §13.6, §13.9).
 
 * :func:`residual_rotation`: the stream ``x -> x Q`` (``Q`` orthogonal; fixing all-ones under
   LayerNorm, which commutes only with such ``Q``); untied unembedding only;

@@ -1,6 +1,6 @@
 """The tangent directions of every listed whole-model symmetry at one model, as columns in
 the order of ``model.named_parameters()``: what the completeness check compares with the
-whole-model arbiter's null space (docs/theory.md §13.11). Transforms are differentiated by
+whole-model arbiter's null space (docs/theory.md §13.15). Transforms are differentiated by
 central differences (error ~ t^2); attention's directions come from
 :func:`attnid.symmetry.tangent.tangent_basis` through the family adapter."""
 
