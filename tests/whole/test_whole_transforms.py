@@ -122,6 +122,11 @@ CASES_T = {
         m, randn(1, 8, seed=32))),
     "roberta-post-norm-bias": (ROBERTA, lambda m: T.norm_bias_transfer(
         m, "roberta.embeddings.LayerNorm", randn(8, seed=33))),
+    # every gain its readers can absorb folded into them at once
+    "llama-fold-norm-gains": (LLAMA, T.fold_norm_gains),
+    "gpt2-untied-fold-norm-gains": (GPT2_UNTIED, T.fold_norm_gains),
+    "neox-fold-norm-gains": (NEOX, T.fold_norm_gains),
+    "bert-fold-norm-gains": (BERT, T.fold_norm_gains),
 }
 
 
@@ -177,3 +182,14 @@ def test_readme_example_runs_as_shown(capsys):
     assert "T.norm_bias_transfer" in code
     exec(compile(code, "README.md", "exec"), {})
     assert capsys.readouterr().out.strip() == "True"
+
+
+@pytest.mark.parametrize("config", [LLAMA, GPT2, NEOX, BERT], ids=["llama", "gpt2-tied", "neox", "bert"])
+def test_fold_norm_gains_sets_every_foldable_gain_to_one(config):
+    new = T.fold_norm_gains(tiny_model(config, seed=0))
+    lay = T.layout_of(new)
+    foldable = [n.path for n in lay.norms if n.absorb is None and n.gain]
+    assert foldable, "nothing to fold"
+    for path in foldable:
+        g = new.get_submodule(path).weight
+        assert torch.equal(g, torch.ones_like(g)), f"{path}: gain {g}"

@@ -25,7 +25,12 @@ from attnid.whole.transforms.embeddings import (
 )
 from attnid.whole.transforms.layout import Layout, layout_of
 from attnid.whole.transforms.mlp import mlp_scaling
-from attnid.whole.transforms.norms import centring_move, norm_bias_transfer, norm_gain_transfer
+from attnid.whole.transforms.norms import (
+    centring_move,
+    fold_norm_gains,
+    norm_bias_transfer,
+    norm_gain_transfer,
+)
 from attnid.whole.transforms.residual import (
     ones_shift,
     parallel_bias_transfer,
@@ -33,7 +38,7 @@ from attnid.whole.transforms.residual import (
     table_shift,
 )
 
-__all__ = ["Layout", "centring_move", "embedding_translation", "key_offset", "layout_of", "logit_shift",
-           "mlp_scaling", "norm_bias_transfer", "norm_gain_transfer", "ones_shift",
-           "padding_translation", "parallel_bias_transfer", "residual_rotation", "table_shift",
-           "unreachable_positions_move", "value_offset"]
+__all__ = ["Layout", "centring_move", "embedding_translation", "fold_norm_gains", "key_offset",
+           "layout_of", "logit_shift", "mlp_scaling", "norm_bias_transfer", "norm_gain_transfer",
+           "ones_shift", "padding_translation", "parallel_bias_transfer", "residual_rotation",
+           "table_shift", "unreachable_positions_move", "value_offset"]

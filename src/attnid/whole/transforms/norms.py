@@ -2,6 +2,7 @@
 (docs/theory.md §13.2-§13.4, §13.12).
 
 * :func:`norm_gain_transfer`: ``g, b -> s g, s b``, readers' input columns ``/ s``;
+  :func:`fold_norm_gains` takes ``s = 1 / g`` at every norm that allows it;
 * :func:`norm_bias_transfer` (LayerNorm): ``b -> b + delta``, each reader's bias ``- W delta``
   (a reader without a bias absorbs it with a centring move instead);
 * :func:`centring_move` (LayerNorm): ``xhat`` is orthogonal to all-ones, so a reader
@@ -15,7 +16,15 @@ import copy
 import torch
 from torch import nn
 
-from attnid.whole.transforms.layout import get_b, get_w, layout_of, norm_by_path, set_b_, set_w_
+from attnid.whole.transforms.layout import (
+    Norm,
+    get_b,
+    get_w,
+    layout_of,
+    norm_by_path,
+    set_b_,
+    set_w_,
+)
 
 
 def _gb(model: nn.Module, path: str) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -26,22 +35,41 @@ def _gb(model: nn.Module, path: str) -> tuple[torch.Tensor, torch.Tensor | None]
     return n.weight.detach(), None if b is None else b.detach()
 
 
-def norm_gain_transfer(model: nn.Module, norm: str, s: torch.Tensor) -> nn.Module:
-    """Norm ``norm``'s gain (and bias) times ``s`` (``[d]``, nonzero), its readers' input
-    columns ``/ s``. Returns a new model."""
-    new = copy.deepcopy(model)
-    nm = norm_by_path(layout_of(new), norm)
+def _transfer_gain_(model: nn.Module, nm: Norm, s: torch.Tensor) -> None:
     if nm.absorb is not None or not nm.gain:
-        raise ValueError(f"{norm}'s gain is seen beyond its readers (the residual stream or a "
-                         "tied unembedding)")
-    g, b = _gb(new, norm)
+        raise ValueError(f"{nm.path}'s gain is seen beyond its readers (the residual stream or "
+                         "a tied unembedding)")
+    g, b = _gb(model, nm.path)
     s = s.to(g.dtype)
     with torch.no_grad():
         g.mul_(s)
         if b is not None:
             b.mul_(s)
     for lin in nm.readers:
-        set_w_(new, lin, get_w(new, lin) / s[None, :])
+        set_w_(model, lin, get_w(model, lin) / s[None, :])
+
+
+def norm_gain_transfer(model: nn.Module, norm: str, s: torch.Tensor) -> nn.Module:
+    """Norm ``norm``'s gain (and bias) times ``s`` (``[d]``, nonzero), its readers' input
+    columns ``/ s``. Returns a new model."""
+    new = copy.deepcopy(model)
+    _transfer_gain_(new, norm_by_path(layout_of(new), norm), s)
+    return new
+
+
+def fold_norm_gains(model: nn.Module) -> nn.Module:
+    """Every norm whose gain its readers can absorb gets gain 1 (a LayerNorm bias ``b / g``),
+    the gain going into its readers' input columns: the gauge fixed by ``g = 1``. Norms
+    seen elsewhere (post-LN residual paths, a tied or absent unembedding) keep theirs."""
+    new = copy.deepcopy(model)
+    for nm in layout_of(new).norms:
+        if nm.absorb is None and nm.gain:
+            g = _gb(new, nm.path)[0]
+            if bool((g == 0).any()):
+                raise ValueError(f"{nm.path} has a zero gain: nothing to fold it into")
+            _transfer_gain_(new, nm, 1 / g.clone())
+            with torch.no_grad():
+                g.fill_(1.0)  # g * (1 / g), without its last-bit rounding
     return new
 
 
