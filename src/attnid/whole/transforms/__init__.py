@@ -1,19 +1,16 @@
 """Whole-model symmetries as function-preserving maps on Hugging Face models (GPT-2,
-GPT-NeoX, Llama/Mistral/Qwen2; BERT's embeddings and MLP). Each returns a new model (a deep
-copy, ties kept); the input is never touched. Split by mathematics: ``norms`` (gain, bias,
-centring), ``residual`` (rotation, all-ones shifts, parallel biases), ``mlp`` (per-neuron
+GPT-NeoX, Llama/Mistral/Qwen2/Qwen3, BERT, RoBERTa). Each returns a new model (a deep copy,
+ties kept); the input is never touched. Split by mathematics: ``norms`` (gain, bias,
+centring, gain folding), ``residual`` (rotation, all-ones shifts, parallel biases), ``mlp`` (per-neuron
 scaling), ``embeddings`` (translation, logit shift), ``attention`` (offsets of bias-free
 attention behind a biased LayerNorm); ``layout`` says where each acts; ``span`` collects every
-tangent direction for the completeness check.
+tangent direction for the completeness check; ``fold`` folds gains on checkpoint tensors.
 
->>> import torch
->>> from attnid.whole import transforms as T
->>> from attnid.whole.check import tiny_model
->>> gpt2 = tiny_model(dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], n_embd=8,
-...                        n_head=2, n_layer=1, vocab_size=12, n_positions=6))
->>> new = T.embedding_translation(gpt2, torch.full((8,), 0.5, dtype=torch.float64))
->>> new is not gpt2
-True
+Example (needs transformers; the README runs the same)::
+
+    gpt2 = tiny_model(dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], n_embd=8,
+                           n_head=2, n_layer=1, vocab_size=12, n_positions=6))
+    new = embedding_translation(gpt2, torch.full((8,), 0.5, dtype=torch.float64))
 """
 
 from attnid.whole.transforms.attention import key_offset, value_offset
