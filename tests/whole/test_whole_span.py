@@ -15,7 +15,8 @@ from .test_whole_count import CASES
 COMPLETE = ["llama-untied", "qwen3-qk-norm", "gpt2-tied", "gpt2-untied", "neox-parallel",
             "neox-partial-rotary-no-attn-bias", "bert-mlm-tied", "bert-bare-model",
             "roberta-mlm-tied"]
-SLOW = ["llama-tied", "llama-bare-model", "mistral-mqa", "qwen2-qkv-bias", "qwen2-tied",
+SLOW = ["gemma-tied", "gemma-untied", "llama-tied", "llama-bare-model", "mistral-mqa",
+        "qwen2-qkv-bias", "qwen2-tied",
         "gpt2-relu", "neox-sequential", "neox-tied-no-attn-bias", "bert-mlm-one-token-type",
         "bert-mlm-untied", "roberta-mlm-untied", "roberta-bare-model", "roberta-padding-idx-3",
         "llama-gqa-2layers", "gpt2-2layers", "bert-2layers"]  # the default run keeps it short

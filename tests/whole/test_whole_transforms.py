@@ -13,6 +13,7 @@ from attnid.whole.check import Float64Mode, tiny_model
 from .test_whole_count import CASES
 
 LLAMA = dict(CASES["llama-untied"], num_hidden_layers=2, rms_norm_eps=1e-6)
+GEMMA = CASES["gemma-untied"]
 GPT2 = CASES["gpt2-2layers"]  # tied
 GPT2_UNTIED = dict(GPT2, tie_word_embeddings=False)
 NEOX = dict(CASES["neox-parallel"], num_hidden_layers=2)
@@ -69,6 +70,11 @@ CASES_T = {
     "llama-rotation": (LLAMA, lambda m: T.residual_rotation(m, rotation(8, 3, False))),
     "llama-gated-mlp-scaling": (LLAMA, lambda m: T.mlp_scaling(m, 0, r(6, 4))),
     "llama-logit-shift": (LLAMA, lambda m: T.logit_shift(m, randn(8, seed=5))),
+    # Gemma: the gain stored as 1 + w
+    "gemma-norm-gain": (GEMMA, lambda m: T.norm_gain_transfer(
+        m, "model.layers.0.input_layernorm", r(8, 34))),
+    "gemma-rotation": (GEMMA, lambda m: T.residual_rotation(m, rotation(8, 35, False))),
+    "gemma-fold-norm-gains": (GEMMA, T.fold_norm_gains),
     # GPT-2: LayerNorm with biases, learned positions, Conv1D, tied
     "gpt2-norm-gain": (GPT2, lambda m: T.norm_gain_transfer(m, "transformer.h.1.ln_2", r(8, 6))),
     "gpt2-norm-bias": (GPT2, lambda m: T.norm_bias_transfer(m, "transformer.h.0.ln_1",

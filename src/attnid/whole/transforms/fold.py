@@ -11,40 +11,42 @@ import torch
 
 from attnid.adapters.base import new_hf_model
 from attnid.errors import AttnidError
-from attnid.whole.transforms.layout import Lin, Norm, layout_of
+from attnid.whole.transforms.layout import Lin, Norm, gain_offset, layout_of
 
 Get = Callable[[str], torch.Tensor | None]  # tensor name (module path + ".weight") -> float64
 
 
-def foldable_norms(config: dict) -> list[Norm]:
+def foldable_norms(config: dict) -> list[tuple[Norm, float]]:
     """Norms whose gain their readers can absorb (pre-LN, parallel; a post-LN model's last
-    norm before its masked-LM transform); none for families without a layout."""
+    norm before its masked-LM transform), with their stored gain's offset (Gemma: 1)."""
     with torch.device("meta"):
         model = new_hf_model(config, head=True)
     try:
         lay = layout_of(model)
     except ValueError as e:
         raise AttnidError(f"--fold-norms: {e}") from None
-    return [n for n in lay.norms if n.absorb is None and n.gain]
+    return [(n, gain_offset(model, n.path)) for n in lay.norms if n.absorb is None and n.gain]
 
 
 def _as_out_in(w: torch.Tensor, lin: Lin) -> torch.Tensor:
     return w.T if lin.conv1d else w
 
 
-def fold_norm_tensors(norms: list[Norm], get: Get, *, seed: int = 0) -> tuple[dict[str, torch.Tensor], float]:
+def fold_norm_tensors(norms: list[tuple[Norm, float]], get: Get, *, seed: int = 0
+                      ) -> tuple[dict[str, torch.Tensor], float]:
     """The folded tensors (float64, by name) and the largest relative change of any norm's
     readers' outputs on random normalised inputs (rounding only)."""
     out: dict[str, torch.Tensor] = {}
     gen = torch.Generator().manual_seed(seed)
     worst = 0.0
-    for nm in norms:
-        g, b = get(f"{nm.path}.weight"), get(f"{nm.path}.bias")
-        if g is None:
+    for nm, offset in norms:
+        w, b = get(f"{nm.path}.weight"), get(f"{nm.path}.bias")
+        if w is None:
             raise AttnidError(f"--fold-norms: checkpoint lacks {nm.path}.weight")
+        g = w + offset
         if bool((g == 0).any()):
             raise AttnidError(f"--fold-norms: {nm.path} has a zero gain, which nothing can absorb")
-        out[f"{nm.path}.weight"] = torch.ones_like(g)
+        out[f"{nm.path}.weight"] = torch.ones_like(g) - offset
         if b is not None:
             out[f"{nm.path}.bias"] = b / g
         z = torch.randn(8, g.shape[0], generator=gen, dtype=torch.float64)

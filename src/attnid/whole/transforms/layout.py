@@ -74,6 +74,23 @@ def set_b_(model: nn.Module, lin: Lin, b: torch.Tensor) -> None:
         model.get_submodule(lin.path).bias.copy_(b)
 
 
+def gain_offset(model: nn.Module, path: str) -> float:
+    """1 for a norm whose gain is stored as ``1 + w`` (Gemma's RMSNorm), else 0."""
+    return 1.0 if "Gemma" in type(model.get_submodule(path)).__name__ else 0.0
+
+
+def norm_params(model: nn.Module, path: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the gain the norm applies ``[d]``, its bias or None; a detached view)."""
+    n = model.get_submodule(path)
+    b = getattr(n, "bias", None)
+    return n.weight.detach() + gain_offset(model, path), None if b is None else b.detach()
+
+
+def set_gain_(model: nn.Module, path: str, g: torch.Tensor) -> None:
+    with torch.no_grad():
+        model.get_submodule(path).weight.copy_(g - gain_offset(model, path))
+
+
 def _base(model: nn.Module, attr: str) -> str:
     return f"{attr}." if hasattr(model, attr) else ""
 
@@ -177,7 +194,7 @@ def _roberta(model: nn.Module) -> Layout:
 
 
 FAMILIES = {"gpt2": _gpt2, "gpt_neox": _neox, "llama": _llama, "mistral": _llama,
-            "qwen2": _llama, "qwen3": _llama, "bert": _bert,
+            "qwen2": _llama, "qwen3": _llama, "gemma": _llama, "bert": _bert,
             "roberta": _roberta}
 
 

@@ -22,28 +22,22 @@ from attnid.whole.transforms.layout import (
     get_w,
     layout_of,
     norm_by_path,
+    norm_params,
     set_b_,
+    set_gain_,
     set_w_,
 )
-
-
-def _gb(model: nn.Module, path: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    n = model.get_submodule(path)
-    if "Gemma" in type(n).__name__:
-        raise ValueError("Gemma's (1 + w) gain is not handled")
-    b = getattr(n, "bias", None)
-    return n.weight.detach(), None if b is None else b.detach()
 
 
 def _transfer_gain_(model: nn.Module, nm: Norm, s: torch.Tensor) -> None:
     if nm.absorb is not None or not nm.gain:
         raise ValueError(f"{nm.path}'s gain is seen beyond its readers (the residual stream or "
                          "a tied unembedding)")
-    g, b = _gb(model, nm.path)
+    g, b = norm_params(model, nm.path)
     s = s.to(g.dtype)
-    with torch.no_grad():
-        g.mul_(s)
-        if b is not None:
+    set_gain_(model, nm.path, g * s)
+    if b is not None:
+        with torch.no_grad():
             b.mul_(s)
     for lin in nm.readers:
         set_w_(model, lin, get_w(model, lin) / s[None, :])
@@ -64,12 +58,11 @@ def fold_norm_gains(model: nn.Module) -> nn.Module:
     new = copy.deepcopy(model)
     for nm in layout_of(new).norms:
         if nm.absorb is None and nm.gain:
-            g = _gb(new, nm.path)[0]
+            g = norm_params(new, nm.path)[0]
             if bool((g == 0).any()):
                 raise ValueError(f"{nm.path} has a zero gain: nothing to fold it into")
-            _transfer_gain_(new, nm, 1 / g.clone())
-            with torch.no_grad():
-                g.fill_(1.0)  # g * (1 / g), without its last-bit rounding
+            _transfer_gain_(new, nm, 1 / g)
+            set_gain_(new, nm.path, torch.ones_like(g))  # g * (1 / g), without its rounding
     return new
 
 
@@ -80,7 +73,7 @@ def norm_bias_transfer(model: nn.Module, norm: str, delta: torch.Tensor) -> nn.M
     Returns a new model."""
     new = copy.deepcopy(model)
     nm = norm_by_path(layout_of(new), norm)
-    g, b = _gb(new, norm)
+    g, b = norm_params(new, norm)
     if b is None:
         raise ValueError(f"{norm} has no bias")
     delta = delta.to(g.dtype)
@@ -108,7 +101,7 @@ def centring_move(model: nn.Module, norm: str, reader: int, v: torch.Tensor) -> 
     lin = norm_by_path(lay, norm).readers[reader]
     if lay.tied and lin == lay.unembed:
         raise ValueError("the reader is a tied unembedding (the token table moves with it)")
-    g, b = _gb(new, norm)
+    g, b = norm_params(new, norm)
     W, c = get_w(new, lin), get_b(new, lin)
     v = v.to(W.dtype)
     if b is not None:

@@ -15,13 +15,7 @@ import copy
 import torch
 from torch import nn
 
-from attnid.whole.transforms.layout import get_b, get_w, layout_of, set_b_, set_w_
-
-
-def _gain(model: nn.Module, path: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    n = model.get_submodule(path)
-    b = getattr(n, "bias", None)
-    return n.weight.detach(), None if b is None else b.detach()
+from attnid.whole.transforms.layout import get_b, get_w, layout_of, norm_params, set_b_, set_w_
 
 
 def residual_rotation(model: nn.Module, Q: torch.Tensor) -> nn.Module:
@@ -44,7 +38,7 @@ def residual_rotation(model: nn.Module, Q: torch.Tensor) -> nn.Module:
         with torch.no_grad():
             E.copy_(E @ Q.to(E.dtype))
     for nm in lay.norms:
-        g, b = _gain(new, nm.path)
+        g, b = norm_params(new, nm.path)
         for lin in nm.readers:
             set_w_(new, lin, (get_w(new, lin) * g[None, :]) @ Q / g[None, :])
         if b is not None:
