@@ -14,6 +14,7 @@ from .test_whole_count import CASES
 
 LLAMA = dict(CASES["llama-untied"], num_hidden_layers=2, rms_norm_eps=1e-6)
 GEMMA = CASES["gemma-untied"]
+FALCON = dict(CASES["falcon-parallel-bias-untied"], num_hidden_layers=2)
 GPT2 = CASES["gpt2-2layers"]  # tied
 GPT2_UNTIED = dict(GPT2, tie_word_embeddings=False)
 NEOX = dict(CASES["neox-parallel"], num_hidden_layers=2)
@@ -70,6 +71,13 @@ CASES_T = {
     "llama-rotation": (LLAMA, lambda m: T.residual_rotation(m, rotation(8, 3, False))),
     "llama-gated-mlp-scaling": (LLAMA, lambda m: T.mlp_scaling(m, 0, r(6, 4))),
     "llama-logit-shift": (LLAMA, lambda m: T.logit_shift(m, randn(8, seed=5))),
+    # Falcon: one norm shared by attention and MLP, parallel residual, biases, untied
+    "falcon-shared-norm-gain": (FALCON, lambda m: T.norm_gain_transfer(
+        m, "transformer.h.1.input_layernorm", r(8, 36))),
+    "falcon-rotation": (FALCON, lambda m: T.residual_rotation(m, rotation(8, 37, True))),
+    "falcon-parallel-bias": (FALCON, lambda m: T.parallel_bias_transfer(m, 0, randn(8, seed=38))),
+    "falcon-new-decoder-fold": (dict(CASES["falcon-new-decoder"], tie_word_embeddings=False),
+                                T.fold_norm_gains),
     # Gemma: the gain stored as 1 + w
     "gemma-norm-gain": (GEMMA, lambda m: T.norm_gain_transfer(
         m, "model.layers.0.input_layernorm", r(8, 34))),

@@ -29,7 +29,7 @@ def _setup(model: nn.Module, layer: int):
     if lay.post or lay.norm != "layer" or spec.bias:
         raise ValueError("offsets need an attention without biases behind a biased LayerNorm")
     params = ParamsBySuffix(model)
-    norm = model.get_submodule(lay.norms[2 * layer].path)  # pre-LN / parallel: attention's norm
+    norm = model.get_submodule(lay.attn_norm(layer))
     if getattr(norm, "bias", None) is None:
         raise ValueError("offsets need a biased LayerNorm")
     g, b = norm.weight.detach(), norm.bias.detach()

@@ -50,6 +50,10 @@ class Layout:
     tied: bool  # the unembedding is the token table
     post: bool = False  # post-LN (BERT): the stream itself is a norm's output
     padding_idx: int | None = None  # RoBERTa: position rows start after it
+    attn_norms: tuple[str, ...] = ()  # per layer: the norm attention reads (default norms[2 i])
+
+    def attn_norm(self, layer: int) -> str:
+        return self.attn_norms[layer] if self.attn_norms else self.norms[2 * layer].path
 
 
 def get_w(model: nn.Module, lin: Lin) -> torch.Tensor:
@@ -104,7 +108,8 @@ def _head(model: nn.Module, name: str, token: str) -> tuple[Lin | None, bool]:
 
 def _act(model: nn.Module) -> str:
     c = model.config
-    act = str(getattr(c, "hidden_act", None) or getattr(c, "activation_function", ""))
+    act = str(getattr(c, "hidden_act", None) or getattr(c, "activation_function", None)
+              or getattr(c, "activation", ""))
     return "relu" if act == "relu" else "other"
 
 
@@ -156,6 +161,33 @@ def _llama(model: nn.Module) -> Layout:
                   "gated", unembed, tied)
 
 
+def _falcon(model: nn.Module) -> Layout:
+    """Falcon: one shared norm (parallel), ln_attn + ln_mlp (new decoder), or sequential."""
+    b = _base(model, "transformer")
+    L = [f"{b}h.{i}." for i in range(model.config.num_hidden_layers)]
+    unembed, tied = _head(model, "lm_head", f"{b}word_embeddings")
+    norms, attn = [], []
+    for p in L:
+        qkv, up = Lin(f"{p}self_attention.query_key_value"), Lin(f"{p}mlp.dense_h_to_4h")
+        layer = model.get_submodule(p.rstrip("."))
+        if hasattr(layer, "ln_attn"):
+            pair = (Norm(f"{p}ln_attn", (qkv,)), Norm(f"{p}ln_mlp", (up,)))
+        elif hasattr(layer, "post_attention_layernorm"):
+            pair = (Norm(f"{p}input_layernorm", (qkv,)), Norm(f"{p}post_attention_layernorm", (up,)))
+        else:
+            pair = (Norm(f"{p}input_layernorm", (qkv, up)),)
+        norms += pair
+        attn.append(pair[0].path)
+    if unembed is not None and not tied:
+        norms.append(Norm(f"{b}ln_f", (unembed,)))
+    c = model.config
+    return Layout("layer", tuple(norms),
+                  tuple((Lin(f"{p}self_attention.dense"), Lin(f"{p}mlp.dense_4h_to_h")) for p in L),
+                  bool(c.parallel_attn or c.new_decoder_architecture), (f"{b}word_embeddings",),
+                  tuple((Lin(f"{p}mlp.dense_h_to_4h"), Lin(f"{p}mlp.dense_4h_to_h")) for p in L),
+                  _act(model), unembed, tied, attn_norms=tuple(attn))
+
+
 def _bert(model: nn.Module, base: str = "bert", head: tuple[str, str, str] = (
         "cls", "cls.predictions.transform.", "cls.predictions.")) -> Layout:
     """Post-LN: ``x -> LN(x + sublayer(x))``. Each norm feeds the next sublayer's readers and
@@ -194,7 +226,7 @@ def _roberta(model: nn.Module) -> Layout:
 
 
 FAMILIES = {"gpt2": _gpt2, "gpt_neox": _neox, "llama": _llama, "mistral": _llama,
-            "qwen2": _llama, "qwen3": _llama, "gemma": _llama, "bert": _bert,
+            "qwen2": _llama, "qwen3": _llama, "gemma": _llama, "falcon": _falcon, "bert": _bert,
             "roberta": _roberta}
 
 

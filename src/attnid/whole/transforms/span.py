@@ -72,7 +72,7 @@ def offset_directions(model: nn.Module, config: dict[str, Any]) -> list[torch.Te
     out: list[torch.Tensor] = []
     for i, spec in enumerate(adapter_for(config).specs(config)):
         biased = lay.norm == "layer" and not lay.post and getattr(
-            model.get_submodule(lay.norms[2 * i].path), "bias", None) is not None
+            model.get_submodule(lay.attn_norm(i)), "bias", None) is not None
         if spec.bias or not biased:
             continue
         for gi in range(spec.n_kv_heads):
