@@ -16,11 +16,15 @@ COMPLETE = ["llama-untied", "qwen3-qk-norm", "gpt2-tied", "gpt2-untied", "neox-p
             "neox-partial-rotary-no-attn-bias", "bert-mlm-tied", "bert-bare-model",
             "roberta-mlm-tied"]
 SLOW = ["gemma-tied", "gemma-untied", "llama-tied", "llama-bare-model", "mistral-mqa",
-        "qwen2-qkv-bias", "qwen2-tied", "falcon-parallel-mqa-tied", "falcon-sequential-bias",
+        "qwen2-qkv-bias", "qwen2-tied", "phi3", "falcon-parallel-mqa-tied", "falcon-sequential-bias",
         "falcon-sequential-mha-untied", "falcon-parallel-bias-untied", "falcon-new-decoder",
         "gpt2-relu", "neox-sequential", "neox-tied-no-attn-bias", "bert-mlm-one-token-type",
         "bert-mlm-untied", "roberta-mlm-untied", "roberta-bare-model", "roberta-padding-idx-3",
         "llama-gqa-2layers", "gpt2-2layers", "bert-2layers"]  # the default run keeps it short
+
+
+def test_every_tiny_config_is_checked():
+    assert sorted(COMPLETE + SLOW) == sorted(CASES)
 
 
 @pytest.mark.parametrize("name", COMPLETE + [pytest.param(n, marks=pytest.mark.slow) for n in SLOW])

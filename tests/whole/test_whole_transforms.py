@@ -78,6 +78,8 @@ CASES_T = {
     "falcon-parallel-bias": (FALCON, lambda m: T.parallel_bias_transfer(m, 0, randn(8, seed=38))),
     "falcon-new-decoder-fold": (dict(CASES["falcon-new-decoder"], tie_word_embeddings=False),
                                 T.fold_norm_gains),
+    # Phi-3: fused gate_up_proj (only the up half scales)
+    "phi3-fused-mlp-scaling": (CASES["phi3"], lambda m: T.mlp_scaling(m, 0, r(6, 39))),
     # Gemma: the gain stored as 1 + w
     "gemma-norm-gain": (GEMMA, lambda m: T.norm_gain_transfer(
         m, "model.layers.0.input_layernorm", r(8, 34))),

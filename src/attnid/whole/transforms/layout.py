@@ -18,10 +18,12 @@ from torch import nn
 
 @dataclass(frozen=True)
 class Lin:
-    """A linear map by module path; ``conv1d``: weight stored ``[in, out]``."""
+    """A linear map by module path; ``conv1d``: weight stored ``[in, out]``; ``rows``: the
+    output rows that belong to it in a fused map (Phi-3's ``gate_up_proj``: the up half)."""
 
     path: str
     conv1d: bool = False
+    rows: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -188,6 +190,24 @@ def _falcon(model: nn.Module) -> Layout:
                   _act(model), unembed, tied, attn_norms=tuple(attn))
 
 
+def _phi3(model: nn.Module) -> Layout:
+    """Phi-3: Llama's layout with fused ``qkv_proj`` and ``gate_up_proj`` (gate rows first)."""
+    b = _base(model, "model")
+    L = [f"{b}layers.{i}." for i in range(model.config.num_hidden_layers)]
+    f = model.config.intermediate_size
+    unembed, tied = _head(model, "lm_head", f"{b}embed_tokens")
+    norms = [x for p in L for x in (Norm(f"{p}input_layernorm", (Lin(f"{p}self_attn.qkv_proj"),)),
+                                    Norm(f"{p}post_attention_layernorm", (Lin(f"{p}mlp.gate_up_proj"),)))]
+    if unembed is not None and not tied:
+        norms.append(Norm(f"{b}norm", (unembed,)))
+    return Layout("rms", tuple(norms),
+                  tuple((Lin(f"{p}self_attn.o_proj"), Lin(f"{p}mlp.down_proj")) for p in L),
+                  False, (f"{b}embed_tokens",),
+                  tuple((Lin(f"{p}mlp.gate_up_proj", rows=(f, 2 * f)), Lin(f"{p}mlp.down_proj"))
+                        for p in L),
+                  "gated", unembed, tied)
+
+
 def _bert(model: nn.Module, base: str = "bert", head: tuple[str, str, str] = (
         "cls", "cls.predictions.transform.", "cls.predictions.")) -> Layout:
     """Post-LN: ``x -> LN(x + sublayer(x))``. Each norm feeds the next sublayer's readers and
@@ -226,7 +246,8 @@ def _roberta(model: nn.Module) -> Layout:
 
 
 FAMILIES = {"gpt2": _gpt2, "gpt_neox": _neox, "llama": _llama, "mistral": _llama,
-            "qwen2": _llama, "qwen3": _llama, "gemma": _llama, "falcon": _falcon, "bert": _bert,
+            "qwen2": _llama, "qwen3": _llama, "gemma": _llama, "falcon": _falcon, "phi3": _phi3,
+            "bert": _bert,
             "roberta": _roberta}
 
 

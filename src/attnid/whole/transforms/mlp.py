@@ -22,10 +22,14 @@ def mlp_scaling(model: nn.Module, layer: int, c: torch.Tensor) -> nn.Module:
         raise ValueError("ReLU commutes only with positive scales")
     new = copy.deepcopy(model)
     up, down = lay.mlps[layer]
-    c = c.to(get_w(new, up).dtype)
-    set_w_(new, up, get_w(new, up) * c[:, None])
+    W = get_w(new, up)
+    lo, hi = up.rows or (0, W.shape[0])  # a fused map: only its up rows
+    scale = torch.ones(W.shape[0], dtype=W.dtype)
+    scale[lo:hi] = c.to(W.dtype)
+    set_w_(new, up, W * scale[:, None])
     b = get_b(new, up)
     if b is not None:
-        set_b_(new, up, b * c)
+        set_b_(new, up, b * scale)
+    c = c.to(W.dtype)
     set_w_(new, down, get_w(new, down) / c[None, :])
     return new

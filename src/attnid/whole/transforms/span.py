@@ -181,9 +181,9 @@ def symmetry_directions(model: nn.Module, config: dict[str, Any]) -> Directions:
         g["padding"] += [tangent(model, lambda m, t, e=e: E.unreachable_positions_move(
             m, t * e.reshape(pad, d))) for e in _basis(pad * d)]
     if lay.mlp != "other":
-        for i, (up, _) in enumerate(lay.mlps):
+        for i, (_, down) in enumerate(lay.mlps):
             g["mlp scaling"] += [tangent(model, lambda m, t, i=i, e=e: M.mlp_scaling(
-                m, i, torch.exp(t * e))) for e in _basis(get_w(model, up).shape[0])]
+                m, i, torch.exp(t * e))) for e in _basis(get_w(model, down).shape[1])]
     g["attention"] = attention_directions(model, config)
     g["attention offsets"] = offset_directions(model, config)
     g["unread"] = unread_directions(model, config)
