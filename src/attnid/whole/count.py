@@ -12,7 +12,9 @@ independent of each other:
 * residual stream: rotations (``O(d)``; fixing all-ones under LayerNorm) when the unembedding is
   not tied; the scale of the stream (near-unidentified: only the norms' eps sees it); under
   LayerNorm, the all-ones component of every write; parallel layers' two output biases;
-* embeddings: token rows translate against position (and token-type) rows;
+* embeddings: token rows translate against position (and token-type) rows; RoBERTa's position
+  rows below ``padding_idx`` are never read, and its pad token is read only with row
+  ``padding_idx`` (components ``unreachable_positions``, ``padding``);
 * MLP: one scale per neuron for ReLU and gated MLPs;
 * head: next-token log-probabilities ignore a shift constant across the vocabulary.
 """
