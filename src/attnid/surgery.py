@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from attnid.adapters.base import Adapter
+from attnid.adapters.base import Adapter, hf_model_class
 from attnid.adapters.config import load_config
 from attnid.adapters.registry import adapter_for
 from attnid.errors import AttnidError, require
@@ -51,6 +51,7 @@ class Operations:
     drop_key_bias: bool
     fold_value_bias: bool
     balance: bool
+    fold_norms: bool = False
 
 
 @dataclass
@@ -65,11 +66,13 @@ class Plan:
     index: dict[str, tuple[Path, dict[str, Any], int]]  # tensor name -> (file, header, data start)
     prefix: str  # what the checkpoint puts before the adapter's names ("model.", "")
     owner: dict[str, int] = field(default_factory=dict)  # rewritten tensor -> its layer
+    folded: dict[str, torch.Tensor] = field(default_factory=dict)  # --fold-norms: name -> float64
 
 
 def canonicalize(in_dir: str | Path, out_dir: str | Path, *, drop_key_bias: bool | None = None,
                  fold_value_bias: bool | None = None, balance: bool | None = None,
-                 force: bool = False, end_to_end_max_bytes: int = 2 * 1024**3) -> dict[str, Any]:
+                 fold_norms: bool = False, force: bool = False,
+                 end_to_end_max_bytes: int = 2 * 1024**3) -> dict[str, Any]:
     """Canonicalize a checkpoint directory; returns the report. See the module docstring.
 
     ``None`` for an operation means: do it wherever it applies to the architecture.
@@ -83,9 +86,12 @@ def canonicalize(in_dir: str | Path, out_dir: str | Path, *, drop_key_bias: bool
         fold_value_bias=(any({"v", "o"} <= s.bias for s in plan.specs)
                          if fold_value_bias is None else fold_value_bias),
         balance=True if balance is None else balance,
+        fold_norms=fold_norms,
     )
     stats = {"max_abs_diff": 0.0, "max_rel_diff": 0.0, "key_bias_dropped": 0,
-             "value_bias_folded": 0, "heads_balanced": 0}
+             "value_bias_folded": 0, "heads_balanced": 0, "norms_folded": 0}
+    if fold_norms:
+        _plan_fold(plan, stats)
     e2e = _write_verified(plan, ops, stats, dst, end_to_end_max_bytes)
     return {**stats, "end_to_end_rel_diff": e2e, "layers": len(plan.specs),
             "operations": asdict(ops), "architecture": plan.adapter.family,
@@ -122,6 +128,40 @@ def make_plan(src: Path) -> Plan:
     return plan
 
 
+def _plan_fold(plan: Plan, stats: dict[str, Any]) -> None:
+    """--fold-norms: every absorbable norm gain into its readers (float64, checked per norm)."""
+    require("transformers", "hf")
+    from attnid.whole.transforms.fold import fold_norm_tensors, foldable_norms  # torch + transformers
+
+    def full(name: str) -> str | None:
+        parts = name.split(".")
+        for k in range(len(parts)):  # the checkpoint may drop the class's outer prefix
+            cand = ".".join(parts[k:])
+            if cand in plan.index:
+                return cand
+        if name.startswith("lm_head."):  # GPT-NeoX checkpoints keep the older head name
+            return full("embed_out." + name[len("lm_head."):])
+        return None
+
+    def get(name: str) -> torch.Tensor | None:
+        n = full(name)
+        if n is None:
+            return None
+        p, header, st = plan.index[n]
+        t = read_tensor(p, header, st, n)
+        if not torch.isfinite(t).all():
+            raise AttnidError(f"{n} holds NaN or Inf values")
+        return t.double()
+
+    norms = foldable_norms(plan.config)
+    folded, worst = fold_norm_tensors(norms, get)
+    if not math.isfinite(worst) or worst > 1e-10:
+        raise AttnidError(f"refused: folding norm gains changed a reader's output by {worst:.2e}")
+    plan.folded = {full(k): v for k, v in folded.items()}
+    stats["norms_folded"] = len(norms)
+    stats["max_rel_diff"] = max(stats["max_rel_diff"], worst)
+
+
 def rewrite_layer(plan: Plan, i: int, ops: Operations, stats: dict[str, Any],
                   gen: torch.Generator) -> dict[str, torch.Tensor]:
     """Layer ``i``'s rewritten tensors (full names, stored dtype), checked in float64 first."""
@@ -130,6 +170,8 @@ def rewrite_layer(plan: Plan, i: int, ops: Operations, stats: dict[str, Any],
     for n in adapter.names(i, s):
         p, header, st = plan.index[prefix + n]
         raw[n] = read_tensor(p, header, st, prefix + n)
+        if prefix + n in plan.folded:  # a norm's gain folded into this reader first
+            raw[n] = plan.folded[prefix + n].to(raw[n].dtype)
         if not torch.isfinite(raw[n]).all():
             raise AttnidError(f"{prefix + n} holds NaN or Inf values")
     dtype = next(iter(raw.values())).dtype
@@ -164,6 +206,8 @@ def _write_verified(plan: Plan, ops: Operations, stats: dict[str, Any], dst: Pat
                     if name not in cache:
                         cache.update(rewrite_layer(plan, plan.owner[name], ops, stats, gen))
                     return cache.pop(name)
+                if name in plan.folded:
+                    return plan.folded[name].to(DTYPES[header[name]["dtype"]])
                 return read_bytes(p, header, st, name)  # untouched: copied as stored, any dtype
 
             write_streaming(tmp / p.name, entries, produce, header.get("__metadata__"))
@@ -236,9 +280,7 @@ def _end_to_end(src: Path, out: Path, config: dict[str, Any]) -> float:
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    arch = (config.get("architectures") or [None])[0]
-    cls = getattr(transformers, arch, None) if arch else None
-    loader = cls if cls is not None else transformers.AutoModel
+    loader = hf_model_class(config)  # the one resolver of an architecture to its class
     try:
         a = loader.from_pretrained(src).eval()
         b = loader.from_pretrained(out).eval()

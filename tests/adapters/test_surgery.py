@@ -275,3 +275,29 @@ def test_output_folder_respects_the_umask(tmp_path, capsys):
     assert code == 0, err
     mode = stat.S_IMODE((tmp_path / "out").stat().st_mode)
     assert mode == 0o755, f"output folder mode {oct(mode)}, expected 0o755 under umask 022"
+
+
+@pytest.mark.parametrize("kind", list(SMALL))
+def test_fold_norms_round_trip_through_transformers(kind, tmp_path, capsys):
+    """--fold-norms: every absorbable gain becomes 1, the model's logits stay (end to end)."""
+    import transformers
+
+    src = _save_random(kind, tmp_path)
+    with torch.no_grad():  # a generic point: gains away from 1
+        cls = getattr(transformers, SMALL[kind]["architectures"][0])
+        m = cls.from_pretrained(src)
+        for n, p in m.named_parameters():
+            if "norm" in n.lower() or "ln_" in n:
+                p.uniform_(0.5, 1.5) if n.endswith("weight") else p.normal_(0.0, 0.5)
+        m.save_pretrained(src)
+    out = tmp_path / f"{kind}-folded"
+    code, rep, err = _canon(capsys, src, out, "--fold-norms")
+    assert code == 0, err
+    expected = {"gpt2": 4, "llama": 5, "qwen2": 5, "gpt_neox": 5}[kind]  # tied GPT-2: no final
+    assert rep["norms_folded"] == expected, rep
+    assert rep["end_to_end_rel_diff"] < 1e-5, f"{kind}: logits moved by {rep['end_to_end_rel_diff']:.2e}"
+    b = cls.from_pretrained(out).eval()
+    gains = [p for n, p in b.named_parameters() if n.endswith("weight")
+             and ("layernorm" in n or "ln_" in n or n.endswith("norm.weight"))]
+    folded = sum(bool(torch.equal(g, torch.ones_like(g))) for g in gains)
+    assert folded == expected, f"{kind}: {folded} gains are 1, expected {expected}"

@@ -31,6 +31,8 @@ FALCON = dict(model_type="falcon", architectures=["FalconForCausalLM"], hidden_s
 BERT = dict(model_type="bert", architectures=["BertForMaskedLM"], hidden_size=8, num_attention_heads=2,
             intermediate_size=6, num_hidden_layers=1, vocab_size=12, max_position_embeddings=6,
             type_vocab_size=2, layer_norm_eps=1e-2, **NOPAD)
+ROBERTA = dict(BERT, model_type="roberta", architectures=["RobertaForMaskedLM"], type_vocab_size=1,
+               max_position_embeddings=8, pad_token_id=1)
 
 
 def rms(model_type, arch, **kw):
@@ -75,6 +77,11 @@ CASES = {
     "bert-mlm-untied": dict(BERT, tie_word_embeddings=False, type_vocab_size=1),
     "bert-bare-model": dict(BERT, architectures=["BertModel"], type_vocab_size=1),
     "bert-2layers": dict(BERT, num_hidden_layers=2, type_vocab_size=1),
+    # RoBERTa: position rows below padding_idx never read, the pad token at row padding_idx
+    "roberta-mlm-tied": ROBERTA,
+    "roberta-mlm-untied": dict(ROBERTA, tie_word_embeddings=False),
+    "roberta-bare-model": dict(ROBERTA, architectures=["RobertaModel"]),
+    "roberta-padding-idx-3": dict(ROBERTA, pad_token_id=3, max_position_embeddings=9),
 }
 
 
@@ -120,8 +127,8 @@ class _NoMode:
         return False
 
 
-@pytest.mark.parametrize("model", ["gpt2", "bert-base-uncased", "all-MiniLM-L6-v2", "Llama-2-7b",
-                                   "Qwen3-8B", "pythia-1.4b", "falcon-7b",
+@pytest.mark.parametrize("model", ["gpt2", "bert-base-uncased", "roberta-base", "all-MiniLM-L6-v2",
+                                   "Llama-2-7b", "Qwen3-8B", "pythia-1.4b", "falcon-7b",
                                    "gemma-7b", "Phi-3-mini-4k-instruct", "Qwen2.5-0.5B"])
 def test_total_equals_hf_parameter_count(model):
     from attnid.adapters.config import load_config
@@ -140,6 +147,14 @@ def test_import_attnid_does_not_import_transformers():
     code = "import sys, attnid; attnid.count_model; print('transformers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out.stdout + out.stderr
+
+
+def test_roberta_counts_its_unreachable_position_rows():
+    """roberta-base: position rows 0 .. padding_idx - 1 (= row 0) are never read."""
+    c = count_model("roberta-base")
+    assert c.components["unreachable_positions"].params == 768
+    assert c.components["unreachable_positions"].unidentified == 768
+    assert c.components["padding"].unidentified == 1  # tied head: only the 1/g direction
 
 
 def test_structure_names_the_function():

@@ -127,7 +127,7 @@ def _verify_whole(hf_config: str, seed: int, confirm: bool, json_out: bool) -> N
             f"  spectral gap {'n/a' if gap is None else f'{gap:.2e}'}   stable across seeds: "
             f"{d['stable']}   {d['seconds']:.2f}s")
         for k, v in d["components"].items():
-            typer.echo(f"    {k:<12} params {v['params']:>8}  unidentified {v['unidentified']:>6}"
+            typer.echo(f"    {k:<21} params {v['params']:>8}  unidentified {v['unidentified']:>6}"
                        f"  near {v['near_unidentified']}")
     raise typer.Exit(0 if result.agree else 1)
 

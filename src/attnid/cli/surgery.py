@@ -19,6 +19,8 @@ def canonicalize_cmd(
         "--fold-value-bias/--keep-value-bias", help="Fold b_V into b_O.")] = None,
     balance: Annotated[bool | None, typer.Option(
         "--balance/--no-balance", help="Balance QK and VO per head/group.")] = None,
+    fold_norms: Annotated[bool, typer.Option(
+        "--fold-norms", help="Fold every absorbable norm gain into its readers (gain 1).")] = False,
     force: Annotated[bool, typer.Option("--force", help="Replace a non-empty OUT_DIR.")] = False,
     json_out: Json = False,
 ) -> None:
@@ -29,7 +31,8 @@ def canonicalize_cmd(
     from attnid.surgery import canonicalize
 
     result = canonicalize(in_dir, out_dir, drop_key_bias=drop_key_bias,
-                          fold_value_bias=fold_value_bias, balance=balance, force=force)
+                          fold_value_bias=fold_value_bias, balance=balance, fold_norms=fold_norms,
+                          force=force)
     if json_out:
         emit_json(result)
     else:
@@ -37,7 +40,8 @@ def canonicalize_cmd(
         typer.echo(
             f"{result['architecture']}: {result['layers']} layers -> {out_dir}\n"
             f"  key bias dropped in {result['key_bias_dropped']} layers, value bias folded in "
-            f"{result['value_bias_folded']}, {result['heads_balanced']} heads balanced\n"
+            f"{result['value_bias_folded']}, {result['heads_balanced']} heads balanced, "
+            f"{result['norms_folded']} norm gains folded\n"
             f"  per-layer check (float64): max abs diff {result['max_abs_diff']:.2e}, max rel diff "
             f"{result['max_rel_diff']:.2e}; end to end: "
             + ("skipped (large checkpoint)" if e2e is None else f"{e2e:.2e}")

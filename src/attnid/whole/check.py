@@ -181,7 +181,9 @@ def arbiter_whole(config: dict[str, Any], *, seed: int = 0, seq_len: int = 6,
     kind = function_kind(config)
     n_types = token_types(model)
     table = position_table(model)
-    T = table or seq_len
+    pad = adapter_for(config).whole(config).padding_idx
+    # RoBERTa reads position rows pad + 1 .. pad + T (pad tokens: row pad)
+    T = table - pad - 1 if table and pad is not None else table or seq_len
     vocab = int(config["vocab_size"])
     P = sum(p.numel() for p in model.parameters())
     width = vocab if kind == "logprobs" else int(model.config.hidden_size)
@@ -214,8 +216,8 @@ def reduced_whole_config(adapter: Any, config: dict[str, Any]) -> dict[str, Any]
     st = adapter.whole(config)
     d = int(small.get("hidden_size") or small.get("n_embd"))
     vocab = max(5 * d, 40) if st.layout == "parallel" else max(16, 2 * d + 8)  # well above d
-    out = dict(small, vocab_size=vocab, tie_word_embeddings=st.tied,
-               pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    out = dict(small, vocab_size=vocab, tie_word_embeddings=st.tied, pad_token_id=st.padding_idx,
+               bos_token_id=None, eos_token_id=None)
     for key in ("num_hidden_layers", "n_layer"):
         if key in out or key == "num_hidden_layers":
             out[key] = 1

@@ -12,7 +12,9 @@ independent of each other:
 * residual stream: rotations (``O(d)``; fixing all-ones under LayerNorm) when the unembedding is
   not tied; the scale of the stream (near-unidentified: only the norms' eps sees it); under
   LayerNorm, the all-ones component of every write; parallel layers' two output biases;
-* embeddings: token rows translate against position (and token-type) rows;
+* embeddings: token rows translate against position (and token-type) rows; RoBERTa's position
+  rows below ``padding_idx`` are never read, and its pad token is read only with row
+  ``padding_idx`` (components ``unreachable_positions``, ``padding``);
 * MLP: one scale per neuron for ReLU and gated MLPs;
 * head: next-token log-probabilities ignore a shift constant across the vocabulary.
 """
@@ -157,7 +159,8 @@ def _embeddings(st: Structure, out: dict[str, list[int]]) -> None:
     d, V = st.d_model, st.vocab
     layer = st.norm == "layer"
     tied_lm = st.function == "logprobs" and st.tied
-    tables = [n for n in (st.positions, st.token_types) if n]
+    pad = st.padding_idx or 0  # RoBERTa: position rows 0 .. pad - 1 are never read
+    tables = [n for n in (st.positions - pad, st.token_types) if n]
     unid = len(tables) * d
     if layer:
         shiftable = tables + ([] if tied_lm else [V])
@@ -165,6 +168,15 @@ def _embeddings(st: Structure, out: dict[str, list[int]]) -> None:
         if tied_lm and not tables:
             unid += 1  # tied: E + c 1 1^T shifts the stream along all-ones and the logits uniformly
     _add(out, "embeddings", d * (V + sum(tables)), unid)
+    if st.padding_idx is not None:
+        _add(out, "unreachable_positions", pad * d, pad * d)
+        # the pad token only ever sits at position row padding_idx: only their sum s is read,
+        # through the embedding LayerNorm. Moving d between the two rows: d directions, less
+        # the all-ones one (a row shift already); a tied pad row is also a decoder row, and
+        # keeps only d along 1/g (its logit bias absorbs it). The scale of s: seen only by eps.
+        unid = 1 if tied_lm else (d - 1 if layer else d)
+        scale = (1, 0) if st.eps == 0 else (0, 1)
+        _add(out, "padding", 0, unid + layer * scale[0], layer * scale[1])
 
 
 def _count_post(st: Structure) -> WholeCount:

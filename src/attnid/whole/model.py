@@ -14,7 +14,7 @@ def count_model(config: dict[str, Any] | str) -> WholeCount:
     """Whole-model counts of a config (a dict, a config.json path, a model directory or a
     bundled name), at its own sizes.
 
-    Families with a closed form (GPT-2, BERT, Llama/Mistral, Qwen2/Qwen3, Gemma, GPT-NeoX,
+    Families with a closed form (GPT-2, BERT, RoBERTa, Llama/Mistral, Qwen2/Qwen3, Gemma, GPT-NeoX,
     Falcon, Phi-3) are counted exactly; the others (OLMo2, DeepSeek) are counted
     by the whole-model arbiter on a reduced config of the same structure (this needs
     transformers), and ``method`` says so.

@@ -55,6 +55,7 @@ class Structure:
     token_types: int  # rows of a token-type table (0: none)
     mlm_head: bool  # BERT's transform (dense, activation, LayerNorm) before the decoder
     pooler: bool  # a bare BERT model's pooler (dense + tanh), which the hidden states never reach
+    padding_idx: int | None = None  # RoBERTa: position rows start after it (the pad token's own)
 
     @property
     def n_layers(self) -> int:
@@ -68,4 +69,5 @@ class Structure:
             "shared_norm": self.shared_norm, "mlp": self.mlp, "d_ff": self.d_ff,
             "mlp_bias": self.mlp_bias, "tied": self.tied, "positions": self.positions,
             "token_types": self.token_types, "mlm_head": self.mlm_head, "pooler": self.pooler,
+            "padding_idx": self.padding_idx,
         }

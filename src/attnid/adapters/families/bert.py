@@ -62,6 +62,7 @@ class Roberta(Bert):
     model_type = "roberta"
     family = "RoBERTa"
 
-    def unsupported_whole(self, c: Config) -> str | None:
-        return ("RoBERTa's positions start after padding_idx (rows the inputs never reach): "
-                "no whole-model count yet")
+    def whole(self, c: Config) -> Structure:
+        """As BERT, but a token's position row is padding_idx + (non-pad tokens so far): the
+        rows below padding_idx are never read, and the pad token always sits at row padding_idx."""
+        return replace(super().whole(c), padding_idx=int(cfg(c, "pad_token_id", default=1)))
