@@ -385,6 +385,13 @@ def _check_pretrained(ns, printed, cwd):
     assert any((cwd / "figures").glob("*.png")), "no figure written"
 
 
+def _check_transforms(ns, printed, cwd):
+    assert printed.strip() == "True", printed
+    old, new = ns["gpt2"].state_dict(), ns["new"].state_dict()
+    moved = [k for k in old if not torch.equal(old[k], new[k])]
+    assert "transformer.h.0.ln_1.bias" in moved, moved  # the transform did something
+
+
 CHECKS = {
     "jacobian_rank(layer)": _check_count,
     "apply_gauge(": _check_symmetry,
@@ -394,6 +401,7 @@ CHECKS = {
     "class MyModel": _check_adapter,
     "assert_function_preserved(lambda": _check_testing,
     "run_section(": _check_pretrained,
+    "T.norm_bias_transfer(": _check_transforms,
 }
 
 

@@ -40,8 +40,8 @@ def canonicalize_cmd(
         typer.echo(
             f"{result['architecture']}: {result['layers']} layers -> {out_dir}\n"
             f"  key bias dropped in {result['key_bias_dropped']} layers, value bias folded in "
-            f"{result['value_bias_folded']}, {result['heads_balanced']} heads balanced, "
-            f"{result['norms_folded']} norm gains folded\n"
+            f"{result['value_bias_folded']}, {result['heads_balanced']} heads balanced"
+            + (f", {result['norms_folded']} norm gains folded" if fold_norms else "") + "\n"
             f"  per-layer check (float64): max abs diff {result['max_abs_diff']:.2e}, max rel diff "
             f"{result['max_rel_diff']:.2e}; end to end: "
             + ("skipped (large checkpoint)" if e2e is None else f"{e2e:.2e}")
