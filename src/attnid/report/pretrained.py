@@ -114,7 +114,7 @@ def _gauge_share(start, end) -> tuple[float, float, float]:
 
 def pretrained_section(ctx: Any) -> Section:
     """The section for `attnid reproduce` (``ctx``: its Context: out, quick, progress, figures)."""
-    steps, batch_size, n_eval = (3, 8, 32) if ctx.quick else (40, 16, 256)
+    steps, batch_size, n_eval = (3, 8, 32) if ctx.quick else (120, 16, 256)
     return run_section(steps, batch_size, n_eval, ctx.figures, ctx.progress)
 
 
