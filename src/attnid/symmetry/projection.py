@@ -28,6 +28,16 @@ def _axpy(a: torch.Tensor, x: Gens, y: Gens) -> Gens:
     return {k: y[k] + _bc(a, x[k]) * x[k] for k in y}
 
 
+def _eigh(G: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eigendecomposition for the preconditioner, in the weights' precision (float64 out).
+
+    Any orthonormal-enough ``U`` keeps the preconditioner symmetric positive definite, so CG
+    stays exact; float32 weights are only float32-accurate anyway, and their eigenvectors in
+    float32 cost half as much (docs/theory.md §10.5)."""
+    la, U = torch.linalg.eigh(G if dtype == torch.float64 else G.to(torch.float32))
+    return la.double().clamp_min(0), U.double()  # a PSD Gram: no negative rounding
+
+
 def _bc(a: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return a.reshape(*a.shape, *([1] * (like.ndim - a.ndim)))
 
@@ -58,12 +68,12 @@ class _Preconditioner:
                 kept = w["b_K"] * (1 - pass_mask(s, w["b_K"]))
                 Gk = (Gk - w["b_K"].unsqueeze(-1) * w["b_K"].unsqueeze(-2)
                       + kept.unsqueeze(-1) * kept.unsqueeze(-2))
-            self.eig = (*torch.linalg.eigh(gr["GQ"]), *torch.linalg.eigh(Gk))
+            self.eig = (*_eigh(gr["GQ"], tmap.w.W_Q.dtype), *_eigh(Gk, tmap.w.W_Q.dtype))
         elif self.main == "C":
             Gv = gr["GV"]
             if self.trans is not None and tmap.w.b_O is not None:  # nu frees all of b_V
                 Gv = Gv - w["b_V"].unsqueeze(-1) * w["b_V"].unsqueeze(-2)
-            self.eig = (*torch.linalg.eigh(Gv), *torch.linalg.eigh(gr["GO"]))
+            self.eig = (*_eigh(Gv, tmap.w.W_V.dtype), *_eigh(gr["GO"], tmap.w.W_V.dtype))
         if self.trans == "nu" and tmap.w.b_O is not None:
             self.D_chol = _translation_factor(tmap)
         if "t" in gens:
