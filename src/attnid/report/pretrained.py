@@ -155,7 +155,7 @@ def run_section(steps: int, batch_size: int, n_eval: int, figures: Path,
     by = {r["optimizer"]: r for r in rows}
     adamw, sgd, proj = (by[RUNS[k][0]] for k in ("adamw", "sgd", "adamw_project"))
     claims = _claims(rep, adamw, sgd, proj, acc0)
-    md = _markdown(rep, rows, acc0, steps, batch_size, n_eval, claims)
+    md = _markdown(rep, rows, acc0, steps, batch_size, n_eval)
     finetune = Table("pretrained_finetune", rows, columns=FINETUNE_COLUMNS)
     return Section(TITLE, md, tables=(finetune, Table("pretrained_audit", audit_rows)),
                    figures=tuple(_figures(runs, rep, figures)),
@@ -248,7 +248,7 @@ def _figures(runs, rep, where: Path) -> list[Figure]:
                    "head (0 = balanced, 1 = most unbalanced).")]
 
 
-def _markdown(rep, rows, acc0, steps, batch_size, n_eval, claims) -> str:
+def _markdown(rep, rows, acc0, steps, batch_size, n_eval) -> str:
     s = rep["summary"]
     lines = [
         f"all-MiniLM-L6-v2 ({rep['spec']}, 6 layers) fine-tuned for {steps} steps of {batch_size} "
@@ -268,7 +268,5 @@ def _markdown(rep, rows, acc0, steps, batch_size, n_eval, claims) -> str:
                   "hurt, not that it helps."]
     lines += ["", "Drift: median over heads of ||C_end - C_pretrained|| / ||C_pretrained||. Gauge share: "
               "the share of the squared weight change (start to end, attention only) that `attnid diff` "
-              "attributes to the symmetry group.", ""]
-    lines += [f"- {'HOLDS' if c['holds'] else 'DOES NOT HOLD'}: {c['claim']} ({c['evidence']})"
-              for c in claims]
+              "attributes to the symmetry group."]
     return "\n".join(lines)
