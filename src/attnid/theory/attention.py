@@ -47,12 +47,10 @@ class Component:
         }
 
 
-@dataclass(frozen=True)
-class Count:
-    """Result of :func:`count`: totals and the breakdown by symmetry component."""
+class ComponentTotals:
+    """Totals over ``self.components`` (name -> `Component`): one layer, or a whole model."""
 
-    spec: AttentionSpec
-    components: dict[str, Component] = field(default_factory=dict)
+    components: dict[str, Component]
 
     @property
     def total(self) -> int:
@@ -65,7 +63,7 @@ class Count:
 
     @property
     def near_unidentified(self) -> int:
-        """Directions identified only through a norm's epsilon (tiny singular values)."""
+        """Null when the norms' epsilon is 0 but not at the given epsilon (docs/theory.md §1.2)."""
         return sum(c.near_unidentified for c in self.components.values())
 
     @property
@@ -76,7 +74,7 @@ class Count:
     def ratio(self) -> float:
         return self.unidentified / self.total
 
-    def to_dict(self) -> dict[str, Any]:
+    def totals_dict(self) -> dict[str, Any]:
         return {
             "total": self.total,
             "identified": self.identified,
@@ -84,8 +82,18 @@ class Count:
             "ratio": self.ratio,
             "near_unidentified": self.near_unidentified,
             "components": {k: v.to_dict() for k, v in self.components.items()},
-            "spec": self.spec.to_dict(),
         }
+
+
+@dataclass(frozen=True)
+class Count(ComponentTotals):
+    """Result of :func:`count`: totals and the breakdown by symmetry component."""
+
+    spec: AttentionSpec
+    components: dict[str, Component] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.totals_dict(), "spec": self.spec.to_dict()}
 
 
 def count(spec: AttentionSpec) -> Count:

@@ -26,12 +26,12 @@ from typing import Any
 
 from attnid.errors import AttnidError
 from attnid.spec import AttentionSpec
-from attnid.theory import Component, count
+from attnid.theory import Component, ComponentTotals, count
 from attnid.whole.structure import Structure
 
 
 @dataclass(frozen=True)
-class WholeCount:
+class WholeCount(ComponentTotals):
     """Totals and the breakdown by component, for one whole model."""
 
     structure: Structure
@@ -39,31 +39,9 @@ class WholeCount:
     method: str = "closed form"
     reduced_config: dict[str, Any] | None = None  # numeric counts: the config counted
 
-    @property
-    def total(self) -> int:
-        return sum(c.params for c in self.components.values())
-
-    @property
-    def unidentified(self) -> int:
-        return sum(c.unidentified for c in self.components.values())
-
-    @property
-    def near_unidentified(self) -> int:
-        return sum(c.near_unidentified for c in self.components.values())
-
-    @property
-    def identified(self) -> int:
-        return self.total - self.unidentified
-
-    @property
-    def ratio(self) -> float:
-        return self.unidentified / self.total
-
     def to_dict(self) -> dict[str, Any]:
         return {
-            "total": self.total, "identified": self.identified, "unidentified": self.unidentified,
-            "near_unidentified": self.near_unidentified, "ratio": self.ratio,
-            "components": {k: v.to_dict() for k, v in self.components.items()},
+            **self.totals_dict(),
             "method": self.method,
             **({"reduced_config": self.reduced_config} if self.reduced_config else {}),
         }
