@@ -70,6 +70,11 @@ def test_verify_wide_qk_norm_under_rope(capsys):
     ["verify", "--d-model", "8", "--heads", "3"],
     ["count", "--d-model", "8", "--heads", "2", "--qk-norm", "layer"],
     ["count", "--d-model", "8", "--heads", "2", "--rope", "1.5"],
+    ["verify", "--hf-config", "gpt2", "--d-model", "8"],  # the spec comes from the config
+    ["verify", "--hf-config", "Llama-2-7b", "--whole", "--rope", "1"],
+    ["verify", "--d-model", "8", "--n-heads", "2", "--whole"],
+    ["report", "gpt2", "--all"],
+    ["audit", "gpt2", "--plot", "/no/such/folder/x.png"],
 ])
 def test_user_errors_give_one_line_and_exit_2(capsys, args):
     code, _out, err = run(capsys, *args)

@@ -10,7 +10,6 @@ into place. The input directory is never modified.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import secrets
@@ -102,8 +101,11 @@ def _check_dirs(in_dir: str | Path, out_dir: str | Path, force: bool) -> tuple[P
     src, dst = Path(in_dir).resolve(), Path(out_dir).resolve()
     if not src.is_dir():
         raise AttnidError(f"{in_dir} is not a directory")
-    if dst == src:
-        raise AttnidError("OUT_DIR must differ from IN_DIR (the input is never modified)")
+    if dst == src or dst in src.parents or src in dst.parents:
+        raise AttnidError("OUT_DIR must be neither IN_DIR nor inside it nor around it "
+                          "(the input is never modified)")
+    if dst.exists() and not dst.is_dir():
+        raise AttnidError(f"{out_dir} exists and is not a directory")
     if dst.exists() and any(dst.iterdir()) and not force:
         raise AttnidError(f"{out_dir} exists and is not empty (use --force to replace it)")
     return src, dst
@@ -296,5 +298,3 @@ def _end_to_end(src: Path, out: Path, config: dict[str, Any]) -> float:
     return float((ta - tb).double().norm() / ta.double().norm())
 
 
-def report_json(r: dict[str, Any]) -> str:
-    return json.dumps(r, indent=2)

@@ -137,7 +137,20 @@ def _expect_refusal(capsys, src: Path, dst: Path, message: str, *extra: str) -> 
 
 def test_bad_inputs_are_refused_cleanly(tmp_path, capsys):
     src = _save_random("llama", tmp_path)
-    _expect_refusal(capsys, src, src, "must differ")
+    capsys.readouterr()  # what saving the checkpoint printed
+    _expect_refusal(capsys, src, src, "must be neither")
+    # OUT_DIR around IN_DIR, even with --force, would delete the input: refused, input intact
+    before = {p.name: p.read_bytes() for p in src.iterdir()}
+    code, _, err = _canon(capsys, src, src.parent, "--force")
+    assert code == 2 and "must be neither" in err, err
+    assert {p.name: p.read_bytes() for p in src.iterdir()} == before
+    code, _, err = _canon(capsys, src, src / "inside")
+    assert code == 2 and "must be neither" in err and not (src / "inside").exists(), err
+    # OUT_DIR is a file
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    code, _, err = _canon(capsys, src, afile)
+    assert code == 2 and "not a directory" in err and afile.read_text() == "x", err
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "keep.txt").write_text("x")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 from torch import nn
@@ -10,7 +9,7 @@ from torch import nn
 from attnid.adapters.config import load_config
 from attnid.adapters.registry import adapter_for
 from attnid.arbiter.compare import Verification, verify_module
-from attnid.arbiter.rank import EXACT_RTOL, jacobian_rank, randomize_
+from attnid.arbiter.rank import EXACT_RTOL, jacobian_rank, norms_without_eps, randomize_, set_norm_eps_
 from attnid.errors import AttnidError
 from attnid.theory import count
 
@@ -50,10 +49,10 @@ def numeric_hf_count(adapter: Any, config: dict[str, Any], *, seed: int = 0) -> 
     small = adapter.reduce(config)
     module, forward = adapter.hf_attention(small)
     randomize_(module, seed)
-    _set_norm_eps(module, 1e-2)  # every norm inside, also those whose eps is hard-coded
+    set_norm_eps_(module, 1e-2)  # every norm inside, also those whose eps is hard-coded
     kw: dict[str, Any] = dict(forward=forward, d_model=int(small["hidden_size"]),
                               rtol=EXACT_RTOL[adapter.working_precision], seed=seed)
-    found = jacobian_rank(module, without_eps=_without_eps, **kw)
+    found = jacobian_rank(module, without_eps=norms_without_eps, **kw)
     keys = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "q_lora_rank",
             "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
     return {"reduced_config": {k: small[k] for k in keys if small.get(k) is not None},
@@ -62,15 +61,3 @@ def numeric_hf_count(adapter: Any, config: dict[str, Any], *, seed: int = 0) -> 
             "seconds": found.seconds}
 
 
-def _without_eps(module: nn.Module) -> nn.Module:
-    """A copy of ``module`` with every norm's epsilon at 0 (the near-unidentified definition)."""
-    exact = copy.deepcopy(module)
-    _set_norm_eps(exact, 0.0)
-    return exact
-
-
-def _set_norm_eps(module: nn.Module, eps: float) -> None:
-    for m in module.modules():
-        for attr in ("variance_epsilon", "eps"):
-            if "Norm" in type(m).__name__ and isinstance(getattr(m, attr, None), float):
-                setattr(m, attr, eps)

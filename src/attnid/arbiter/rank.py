@@ -309,3 +309,21 @@ def split_spectrum(sv: torch.Tensor, n_params: int, rtol: float) -> tuple[int, f
     smallest_kept = float(full[n_params - nullity - 1])
     largest_dropped = float(full[n_params - nullity])
     return nullity, (math.inf if largest_dropped == 0.0 else smallest_kept / largest_dropped)
+
+
+def set_norm_eps_(module: nn.Module, eps: float) -> nn.Module:
+    """Set, in place, the epsilon of every normalisation inside ``module`` (the float ``eps`` or
+    ``variance_epsilon`` of modules whose class name contains "Norm", as in Hugging Face's and
+    torch's norms); returns ``module``."""
+    for m in module.modules():
+        if "Norm" in type(m).__name__:
+            for attr in ("variance_epsilon", "eps"):
+                if isinstance(getattr(m, attr, None), float):
+                    setattr(m, attr, eps)
+    return module
+
+
+def norms_without_eps(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` with every norm's epsilon at 0: the ``without_eps`` argument of
+    :func:`jacobian_rank` for modules built from such norms (docs/theory.md §12.5)."""
+    return set_norm_eps_(copy.deepcopy(module), 0.0)

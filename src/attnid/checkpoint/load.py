@@ -46,9 +46,6 @@ class Checkpoint:
             raise AttnidError(f"{self.path}: {name} holds NaN or Inf values")
         return t
 
-    def dtype_of(self, name: str) -> torch.dtype:
-        return self.tensor(name).dtype
-
     def layer(self, i: int) -> AttentionWeights:
         """Layer ``i``'s attention in canonical form, float64."""
         raw = {n[len(self.prefix):]: self.tensor(n).double() for n in self.attention_names(i)}

@@ -20,13 +20,17 @@ def audit_cmd(
     beta_* are normalised (0 = balanced, at most 1); removable_norm is the weight norm that
     rebalancing would remove.
     """
-    from attnid.checkpoint.audit import audit, heat_map
+    from pathlib import Path
 
+    from attnid.checkpoint.audit import audit, heat_map
+    from attnid.errors import AttnidError, require
+
+    if plot:  # refuse before the work, not after it
+        require("matplotlib", "report")
+        if not Path(plot).resolve().parent.is_dir():
+            raise AttnidError(f"--plot {plot}: its folder does not exist")
     report = audit(model)
     if plot:
-        from attnid.errors import require
-
-        require("matplotlib", "report")
         heat_map(report, plot)
     if json_out:
         emit_json(report)

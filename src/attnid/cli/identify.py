@@ -68,6 +68,13 @@ def verify_cmd(
     json_out: Json = False,
 ) -> None:
     """Arbiter (Jacobian rank, float64) against the closed form; exit 1 on disagreement."""
+    spec_flags = dict(d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
+                      v_head_dim=v_head_dim, bias=bias or None, rope=rope or None,
+                      rope_pairing=None if rope_pairing == "half" else rope_pairing,
+                      qk_norm=None if qk_norm == "none" else qk_norm)
+    given = [k for k, v in spec_flags.items() if v is not None]
+    if hf_config is not None and given:
+        raise AttnidError(f"--hf-config reads the spec from the config; drop {', '.join(given)}")
     if whole:
         if hf_config is None:
             raise AttnidError("--whole needs --hf-config MODEL")
@@ -142,6 +149,8 @@ def report_cmd(
     """Identification counts for a real model: per layer, in total, and the breakdown."""
     from attnid.report.models import all_reports, model_report, summary_row
 
+    if all_models and model is not None:
+        raise AttnidError("give either a MODEL or --all, not both")
     if all_models:
         rows = [summary_row(r) for r in all_reports()]
         if json_out:

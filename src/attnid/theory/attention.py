@@ -171,6 +171,3 @@ def _vo_components(spec: AttentionSpec) -> dict[str, Component]:
     return out
 
 
-def headline_ratio(n_heads: int) -> float:
-    """The paper's headline: plain MHA without biases leaves 1/(2H) unidentified."""
-    return 1.0 / (2 * n_heads)

@@ -16,7 +16,6 @@ same function, without the 1e-7 rounding that hides exact symmetries). An embedd
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,10 +27,11 @@ from attnid.adapters.base import build_hf_model
 from attnid.adapters.config import load_config
 from attnid.adapters.registry import adapter_for
 from attnid.arbiter.compare import CLEAR_GAP
-from attnid.arbiter.rank import ArbiterResult, jacobian_rank, randomize_
+from attnid.arbiter.rank import ArbiterResult, jacobian_rank, norms_without_eps, randomize_
 from attnid.errors import AttnidError
 from attnid.theory import Component
 from attnid.whole.count import WholeCount, count_structure
+from attnid.whole.structure import function_kind
 
 _F32 = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -48,14 +48,6 @@ class Float64Mode(TorchFunctionMode):
             kwargs["dtype"] = torch.float64
         args = tuple(torch.float64 if isinstance(a, torch.dtype) and a in _F32 else a for a in args)
         return func(*args, **kwargs)
-
-
-def function_kind(config: dict[str, Any]) -> str:
-    """``"logprobs"`` for language-model heads, ``"hidden"`` for a bare model."""
-    arch = (config.get("architectures") or [""])[0]
-    if arch.endswith(("ForCausalLM", "LMHeadModel", "ForMaskedLM")):
-        return "logprobs"
-    return "hidden"
 
 
 def tiny_model(config: dict[str, Any], seed: int = 0) -> nn.Module:
@@ -164,15 +156,6 @@ class WholeArbiter:
         return self.result.nullity
 
 
-def set_norm_eps_(model: nn.Module, eps: float) -> nn.Module:
-    for m in model.modules():
-        if "Norm" in type(m).__name__:
-            for attr in ("variance_epsilon", "eps"):
-                if isinstance(getattr(m, attr, None), float):
-                    setattr(m, attr, eps)
-    return model
-
-
 def arbiter_whole(config: dict[str, Any], *, seed: int = 0, seq_len: int = 6,
                   n_sequences: int | None = None, near: bool = True,
                   return_null_space: bool = False) -> WholeArbiter:
@@ -191,13 +174,11 @@ def arbiter_whole(config: dict[str, Any], *, seed: int = 0, seq_len: int = 6,
     x = inputs_for(model, vocab, T, n, seed)
     fwd = whole_forward(kind, n_types, tied_aliases(model))
     found = jacobian_rank(model, x, forward=fwd, seed=seed, return_null_space=return_null_space,
-                          without_eps=_without_eps if near else None)
+                          without_eps=norms_without_eps if near else None)
     return WholeArbiter(found, found.near_nullity, kind, T)
 
 
-def _without_eps(model: nn.Module) -> nn.Module:
-    """The same model with every norm's epsilon at 0 (near-unidentified, docs/theory.md §12.5)."""
-    return set_norm_eps_(copy.deepcopy(model), 0.0)
+
 
 
 REDUCED_KEYS = ("hidden_size", "n_embd", "num_attention_heads", "n_head", "num_key_value_heads",

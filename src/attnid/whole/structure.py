@@ -18,7 +18,7 @@ MLPKind = Literal["gelu", "silu", "relu", "gated"]
 FunctionKind = Literal["logprobs", "hidden"]
 
 ARCH_SUFFIXES: dict[str, FunctionKind] = {
-    "ForCausalLM": "logprobs", "LMHeadModel": "logprobs", "ForMaskedLM": "logprobs", "Model": "hidden",
+    "ForCausalLM": "logprobs", "LMHeadModel": "logprobs", "ForMaskedLM": "logprobs",
 }
 
 
@@ -28,7 +28,7 @@ def function_kind(config: dict[str, Any]) -> FunctionKind:
     ``...Model`` (and when the field is missing)."""
     arch = (config.get("architectures") or [""])[0]
     for suffix, kind in ARCH_SUFFIXES.items():
-        if arch.endswith(suffix) and suffix != "Model":
+        if arch.endswith(suffix):
             return kind
     return "hidden"
 
