@@ -186,3 +186,32 @@ def test_begin_end_measure_what_step_measures():
     assert max(max(r) for r in block["rho_qk"]) > 1e-3, "Adam's step must move along the orbit here"
     with pytest.raises(AttnidError, match="begin"):
         Monitor(_model(spec)).end()
+
+
+@pytest.mark.parametrize("change_between", [False, True], ids=["consecutive", "weights-changed-between"])
+def test_reused_buffers_measure_each_step_like_a_fresh_computation(change_between: bool):
+    """The monitor writes its snapshots and the update into two reused buffers; every step
+    must still measure exactly the two points around it (also when something changes the
+    weights between steps, so that the last end point is stale)."""
+    spec = SPECS[0]
+    model = _model(spec)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    mon = Monitor(model)
+    x = torch.randn(4, 8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    ptrs = []
+    for step in range(4):
+        _step(model, opt, x)
+        if change_between and step == 2:
+            with torch.no_grad():
+                model.a.W_Q.mul_(1.5)
+        before = [w.clone() for w in mon.batches.snapshot()]
+        with mon.step():
+            opt.step()
+        after = [w.clone() for w in mon.batches.snapshot()]
+        ref = Monitor(model).measure(before, after)  # a fresh monitor: nothing reused
+        for key in ("rho_qk", "rho_vo", "beta_qk", "mu_qk", "mu_vo", "drift_qk", "update_norm"):
+            got, want = torch.tensor(mon.last[key]), torch.tensor(ref[key])
+            err = float((got - want).abs().max() / want.abs().max())
+            assert err < 1e-12, f"step {step} {key}: relative error {err:.1e}"
+        ptrs.append(mon.after[0].W_Q.data_ptr())
+    assert len(set(ptrs)) == 2, f"expected two snapshot buffers reused, got {ptrs}"

@@ -42,15 +42,24 @@ class _Batches:
         self.groups = list(groups.values())
 
     def snapshot(self, dtype: torch.dtype | None = None, *,
-                 unless_equal: list[AttentionWeights] | None = None) -> list[AttentionWeights]:
+                 unless_equal: list[AttentionWeights] | None = None,
+                 into: list[AttentionWeights] | None = None) -> list[AttentionWeights]:
         """One stacked copy per spec group: in the model's dtype (one copy, no conversion) or
         in ``dtype``. ``unless_equal``: an earlier snapshot returned as it is (with the Gram
-        matrices it has cached) when the layers still hold exactly its values."""
+        matrices it has cached) when the layers still hold exactly its values. ``into``: an
+        earlier snapshot in the model's dtype, overwritten in place instead of new memory."""
         current = [[self.layers[i].get() for i in idx] for idx in self.groups]
         if unless_equal is not None and all(
                 _equal(layer, old, j) for now, old in zip(current, unless_equal, strict=True)
                 for j, layer in enumerate(now)):
             return unless_equal
+        if into is not None and dtype is None and all(
+                layer[n].dtype == buf[n].dtype for now, buf in zip(current, into, strict=True)
+                for layer in now for n, _ in buf.items()):
+            for layers, buf in zip(current, into, strict=True):
+                for n, t in buf.items():
+                    torch.stack([layer[n] for layer in layers], out=t)
+            return into
         out = []
         for layers in current:
             w = AttentionWeights.stack(layers)
@@ -89,10 +98,17 @@ class Monitor:
         self._after: list[AttentionWeights] | None = None  # the last step's end point
         self._before: list[AttentionWeights] | None = None  # set by begin(), used by end()
         self._grads: dict[str, list] = {}
+        # two snapshots and one update, reused every step: no fresh memory (and its page
+        # faults) for the model-sized copies after the first step
+        self._buffers: list[list[AttentionWeights]] = []
+        self._delta: list[AttentionWeights | None] = [None] * len(self.batches.groups)
 
     @property
     def after(self) -> list[AttentionWeights] | None:
-        """The stacked weights (one container per spec group) after the last measured update."""
+        """The stacked weights (one container per spec group) after the last measured update.
+
+        The monitor reuses this memory: it is valid until the next :meth:`end`; ``clone()`` it
+        to keep it."""
         return self._after
 
     @property
@@ -110,16 +126,28 @@ class Monitor:
         """Before an update: read the bias gradients and the current point. For loops whose
         hooks cannot wrap the update in one block (a `Trainer` callback)."""
         self._grads = self._bias_grads()
-        self._before = self.batches.snapshot(unless_equal=self._after)  # usually: no copy, Grams known
+        # usually the last end point itself: no copy, its Gram matrices and spectra known
+        self._before = self._keep(self.batches.snapshot(unless_equal=self._after,
+                                                        into=self._spare(self._after)))
 
     def end(self) -> dict[str, list]:
         """After the update: measure what moved since :meth:`begin`; sets and returns ``last``."""
         if self._before is None:
             raise AttnidError("Monitor.end() needs a Monitor.begin() before the update")
-        after = self._after = self.batches.snapshot()
+        after = self._after = self._keep(self.batches.snapshot(into=self._spare(self._before)))
         self.last = {**self.measure(self._before, after), **self._grads}
         self._before = None
         return self.last
+
+    def _spare(self, busy: list[AttentionWeights] | None) -> list[AttentionWeights] | None:
+        """A snapshot buffer other than ``busy``, once there are two."""
+        free = [b for b in self._buffers if b is not busy]
+        return free[0] if len(self._buffers) == 2 and free else None
+
+    def _keep(self, snap: list[AttentionWeights]) -> list[AttentionWeights]:
+        if len(self._buffers) < 2 and all(b is not snap for b in self._buffers):
+            self._buffers.append(snap)
+        return snap
 
     def _bias_grads(self) -> dict[str, list]:
         out: dict[str, list] = {}
@@ -137,8 +165,8 @@ class Monitor:
     def measure(self, before: list[AttentionWeights], after: list[AttentionWeights]) -> dict[str, list]:
         n = len(self.batches.layers)
         out: dict[str, list] = {}
-        for idx, w0, w1 in zip(self.batches.groups, before, after, strict=True):
-            delta = w1 - w0  # in the model's dtype; everything small below is float64
+        for k, (idx, w0, w1) in enumerate(zip(self.batches.groups, before, after, strict=True)):
+            delta = self._difference(k, w1, w0)  # in the model's dtype; the small rest is float64
             vals = metrics(w0, w1)
             sides = {side: project(w0, delta, side, near=self.near) for side in ("qk", "vo")}
             for side, p in sides.items():
@@ -149,6 +177,16 @@ class Monitor:
                 for j, i in enumerate(idx):
                     rows[i] = t[j].tolist()
         return out
+
+    def _difference(self, k: int, w1: AttentionWeights, w0: AttentionWeights) -> AttentionWeights:
+        """``w1 - w0`` for spec group ``k``, written into the monitor's update buffer."""
+        buf = self._delta[k]
+        if buf is None or any(buf[n].shape != t.shape or buf[n].dtype != t.dtype for n, t in w1.items()):
+            buf = self._delta[k] = w1 - w0
+            return buf
+        for n, t in w1.items():
+            torch.sub(t, w0[n], out=buf[n])
+        return buf
 
 
 class Corrector:

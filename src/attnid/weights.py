@@ -14,12 +14,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from attnid.attention import Attention
 from attnid.errors import AttnidError
 from attnid.spec import AttentionSpec
+
+T = TypeVar("T")
 
 NAMES = ("W_Q", "W_K", "W_V", "W_O", "b_Q", "b_K", "b_V", "b_O", "g_Q", "g_K")
 
@@ -174,18 +177,23 @@ def _grouped(x: torch.Tensor, G: int) -> torch.Tensor:
     return x.reshape(*x.shape[:-3], G, x.shape[-3] // G, *x.shape[-2:]).sum(-3)
 
 
+def memoised(w: AttentionWeights, key: object, compute: Callable[[], T]) -> T:
+    """``compute()``, cached on the container ``w`` under ``key`` until one of its tensors is
+    changed in place (the cache is keyed by the tensors' version counters, so views of
+    parameters that were since updated are recomputed)."""
+    cache = w.__dict__.setdefault("_memo", {})
+    versions = tuple(t._version for _, t in w.items())
+    if key not in cache or cache[key][0] != versions:
+        cache[key] = (versions, compute())
+    return cache[key][1]
+
+
 def grams(w: AttentionWeights, side: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(left, right) Gram matrices per group: ``[..., G, k, k]`` each (cached on ``w``).
 
     QK: ``(sum_{h in g} W~_Q^hT W~_Q^h, W~_K^gT W~_K^g)``; VO: ``(W~_V^T W~_V, sum W_O W_O^T)``.
     """
-    # memoised on the container, keyed by the tensors' version counters, so that views of
-    # parameters that were since updated in place are recomputed
-    cache = w.__dict__.setdefault("_gram_cache", {})
-    versions = tuple(t._version for _, t in w.items())
-    if side not in cache or cache[side][0] != versions:
-        cache[side] = (versions, _grams(w, side))
-    return cache[side][1]
+    return memoised(w, ("grams", side), lambda: _grams(w, side))
 
 
 def _grams(w: AttentionWeights, side: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from attnid.rope import project_commutant, project_tied
+from attnid.symmetry.spectra import smallest_eigenvalues
 from attnid.weights import AttentionWeights, grams
 
 
@@ -40,10 +41,9 @@ def metrics(before: AttentionWeights, after: AttentionWeights | None = None) -> 
         mat = C.ndim >= 2 and not (side == "qk" and point.spec.qk_norm != "none")
         out[f"beta_{side}"] = C.flatten(-2).norm(dim=-1) if mat else C.norm(dim=-1)
         out[f"tau_{side}"] = C.diagonal(dim1=-2, dim2=-1).sum(-1) if mat else C.sum(-1)
-        # in the weights' dtype: a float32 Gram is only float32-accurate to begin with
-        left, right = grams(point, side)
-        mu = torch.linalg.eigvalsh(left)[..., 0] + torch.linalg.eigvalsh(right)[..., 0]
-        out[f"mu_{side}"] = mu.double()
+        # from the eigendecomposition the projection at this point reuses (symmetry.spectra)
+        left, right = smallest_eigenvalues(point, side)
+        out[f"mu_{side}"] = left + right
         if after is not None:
             diff = C - conserved(before, side)
             out[f"drift_{side}"] = diff.flatten(-2).norm(dim=-1) if mat else diff.norm(dim=-1)

@@ -15,8 +15,9 @@ from functools import cached_property
 
 import torch
 
+from attnid.symmetry.spectra import gauge_eigh
 from attnid.symmetry.tangent import Gens, TangentMap, side_names, squared_norm
-from attnid.weights import AttentionWeights, group_sum_out, pass_mask
+from attnid.weights import AttentionWeights, group_sum_out
 
 
 def _dot(a: Gens, b: Gens, nb: int) -> torch.Tensor:
@@ -26,16 +27,6 @@ def _dot(a: Gens, b: Gens, nb: int) -> torch.Tensor:
 def _axpy(a: torch.Tensor, x: Gens, y: Gens) -> Gens:
     """``y + a x`` per generator, ``a`` one scalar per batch entry."""
     return {k: y[k] + _bc(a, x[k]) * x[k] for k in y}
-
-
-def _eigh(G: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eigendecomposition for the preconditioner, in the weights' precision (float64 out).
-
-    Any orthonormal-enough ``U`` keeps the preconditioner symmetric positive definite, so CG
-    stays exact; float32 weights are only float32-accurate anyway, and their eigenvectors in
-    float32 cost half as much (docs/theory.md §10.5)."""
-    la, U = torch.linalg.eigh(G if dtype == torch.float64 else G.to(torch.float32))
-    return la.double().clamp_min(0), U.double()  # a PSD Gram: no negative rounding
 
 
 def _bc(a: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -54,7 +45,7 @@ class _Preconditioner:
 
     def __init__(self, tmap: TangentMap) -> None:
         self.tmap = tmap
-        w, s = tmap.small, tmap.spec
+        w = tmap.small
         self.eig: tuple[torch.Tensor, ...] | None = None
         self.diag: dict[str, torch.Tensor] = {}
         self.D_chol: torch.Tensor | None = None
@@ -62,18 +53,8 @@ class _Preconditioner:
         self.main = "M" if "M" in gens else ("C" if "C" in gens else None)
         self.trans = "kappa" if "kappa" in gens else ("nu" if "nu" in gens else None)
         gr = tmap._grams
-        if self.main == "M":
-            Gk = gr["GK"]
-            if self.trans is not None:  # kappa frees b_K's pass-through dims: keep the rest
-                kept = w["b_K"] * (1 - pass_mask(s, w["b_K"]))
-                Gk = (Gk - w["b_K"].unsqueeze(-1) * w["b_K"].unsqueeze(-2)
-                      + kept.unsqueeze(-1) * kept.unsqueeze(-2))
-            self.eig = (*_eigh(gr["GQ"], tmap.w.W_Q.dtype), *_eigh(Gk, tmap.w.W_Q.dtype))
-        elif self.main == "C":
-            Gv = gr["GV"]
-            if self.trans is not None and tmap.w.b_O is not None:  # nu frees all of b_V
-                Gv = Gv - w["b_V"].unsqueeze(-1) * w["b_V"].unsqueeze(-2)
-            self.eig = (*_eigh(Gv, tmap.w.W_V.dtype), *_eigh(gr["GO"], tmap.w.W_V.dtype))
+        if self.main is not None:  # the gauge Grams leave out the bias rows the translation frees
+            self.eig = gauge_eigh(tmap.w, tmap.side)
         if self.trans == "nu" and tmap.w.b_O is not None:
             self.D_chol = _translation_factor(tmap)
         if "t" in gens:
@@ -89,8 +70,11 @@ class _Preconditioner:
     def _d_inv(self, v: torch.Tensor) -> torch.Tensor:
         if self.D_chol is None:
             return v
-        flat = v.reshape(*v.shape[:-2], -1, 1).to(self.D_chol.dtype)
-        return torch.cholesky_solve(flat, self.D_chol).reshape(v.shape).to(v.dtype)
+        L = self.D_chol
+        flat = v.reshape(*v.shape[:-2], -1, 1).to(L.dtype)
+        # two triangular solves (cholesky_solve would copy the factor on every call)
+        y = torch.linalg.solve_triangular(L, flat, upper=False)
+        return torch.linalg.solve_triangular(L.transpose(-1, -2), y, upper=True).reshape(v.shape).to(v.dtype)
 
     def __call__(self, r: Gens) -> Gens:
         out = {k: (v / self.diag[k] if k in self.diag else v) for k, v in r.items()}
@@ -112,8 +96,9 @@ def _translation_factor(tmap: TangentMap) -> torch.Tensor:
     preconditions, so it is formed in float32: its rounding costs CG an iteration, never
     accuracy."""
     W = group_sum_out(tmap.w).float().reshape(*tmap.w.batch_shape, -1, tmap.spec.d_model)  # [..., G dv, d]
-    D = W @ W.transpose(-1, -2) + torch.eye(W.shape[-2], dtype=W.dtype, device=W.device)
-    return torch.linalg.cholesky(D)
+    eye = torch.eye(W.shape[-2], dtype=W.dtype, device=W.device).expand(*W.shape[:-1], W.shape[-2])
+    return torch.linalg.cholesky(torch.baddbmm(eye, W, W.transpose(-1, -2)) if W.ndim == 3
+                                 else eye + W @ W.transpose(-1, -2))
 
 
 def solve_generators(tmap: TangentMap, delta: dict[str, torch.Tensor], *, tol: float = 1e-13,
