@@ -215,3 +215,30 @@ def test_reused_buffers_measure_each_step_like_a_fresh_computation(change_betwee
             assert err < 1e-12, f"step {step} {key}: relative error {err:.1e}"
         ptrs.append(mon.after[0].W_Q.data_ptr())
     assert len(set(ptrs)) == 2, f"expected two snapshot buffers reused, got {ptrs}"
+
+
+def test_monitor_follows_a_model_that_changes_dtype_and_measure_takes_mixed_dtypes():
+    spec = SPECS[0]
+    model = _model(spec)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    mon = Monitor(model)
+    x = torch.randn(4, 8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    for step in range(5):
+        if step == 2:  # mid-run: the buffers no longer fit and are replaced
+            model.float()
+            x = x.float()
+            opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        _step(model, opt, x)
+        before = [w.clone() for w in mon.batches.snapshot()]
+        with mon.step():
+            opt.step()
+        after = [w.clone() for w in mon.batches.snapshot()]
+        ref = Monitor(model).measure(before, after)
+        got, want = torch.tensor(mon.last["rho_qk"]), torch.tensor(ref["rho_qk"])
+        assert torch.equal(got, want), f"step {step}: {got} vs {want}"
+    assert {b[0].W_Q.dtype for b in mon._buffers} == {torch.float32}, "float64 buffers kept"
+    # public measure() with a float64 point and a float32 one: promoted, not cast down
+    mixed = mon.measure([w.to(torch.float64) for w in before], after)
+    ref = Monitor(model).measure([w.to(torch.float64) for w in before], [w.to(torch.float64) for w in after])
+    err = float((torch.tensor(mixed["rho_vo"]) - torch.tensor(ref["rho_vo"])).abs().max())
+    assert err < 1e-6, f"mixed-dtype measure differs by {err:.1e}"

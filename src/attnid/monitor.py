@@ -54,8 +54,8 @@ class _Batches:
                 for j, layer in enumerate(now)):
             return unless_equal
         if into is not None and dtype is None and all(
-                layer[n].dtype == buf[n].dtype for now, buf in zip(current, into, strict=True)
-                for layer in now for n, _ in buf.items()):
+                (layer[n].dtype, layer[n].device) == (buf[n].dtype, buf[n].device)
+                for now, buf in zip(current, into, strict=True) for layer in now for n, _ in buf.items()):
             for layers, buf in zip(current, into, strict=True):
                 for n, t in buf.items():
                     torch.stack([layer[n] for layer in layers], out=t)
@@ -127,14 +127,15 @@ class Monitor:
         hooks cannot wrap the update in one block (a `Trainer` callback)."""
         self._grads = self._bias_grads()
         # usually the last end point itself: no copy, its Gram matrices and spectra known
-        self._before = self._keep(self.batches.snapshot(unless_equal=self._after,
-                                                        into=self._spare(self._after)))
+        spare = self._spare(self._after)
+        self._before = self._keep(self.batches.snapshot(unless_equal=self._after, into=spare), spare)
 
     def end(self) -> dict[str, list]:
         """After the update: measure what moved since :meth:`begin`; sets and returns ``last``."""
         if self._before is None:
             raise AttnidError("Monitor.end() needs a Monitor.begin() before the update")
-        after = self._after = self._keep(self.batches.snapshot(into=self._spare(self._before)))
+        spare = self._spare(self._before)
+        after = self._after = self._keep(self.batches.snapshot(into=spare), spare)
         self.last = {**self.measure(self._before, after), **self._grads}
         self._before = None
         return self.last
@@ -144,9 +145,15 @@ class Monitor:
         free = [b for b in self._buffers if b is not busy]
         return free[0] if len(self._buffers) == 2 and free else None
 
-    def _keep(self, snap: list[AttentionWeights]) -> list[AttentionWeights]:
-        if len(self._buffers) < 2 and all(b is not snap for b in self._buffers):
-            self._buffers.append(snap)
+    def _keep(self, snap: list[AttentionWeights], spare: list[AttentionWeights] | None
+              ) -> list[AttentionWeights]:
+        """Keep a new snapshot as a buffer: the third one replaces the spare that did not fit
+        (the model changed dtype or device)."""
+        if all(b is not snap for b in self._buffers):
+            if spare is not None:
+                self._buffers[next(i for i, b in enumerate(self._buffers) if b is spare)] = snap
+            elif len(self._buffers) < 2:
+                self._buffers.append(snap)
         return snap
 
     def _bias_grads(self) -> dict[str, list]:
@@ -181,7 +188,8 @@ class Monitor:
     def _difference(self, k: int, w1: AttentionWeights, w0: AttentionWeights) -> AttentionWeights:
         """``w1 - w0`` for spec group ``k``, written into the monitor's update buffer."""
         buf = self._delta[k]
-        if buf is None or any(buf[n].shape != t.shape or buf[n].dtype != t.dtype for n, t in w1.items()):
+        if buf is None or any(buf[n].shape != t.shape or buf[n].device != t.device
+                              or buf[n].dtype != torch.result_type(t, w0[n]) for n, t in w1.items()):
             buf = self._delta[k] = w1 - w0
             return buf
         for n, t in w1.items():

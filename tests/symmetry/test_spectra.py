@@ -68,6 +68,25 @@ def test_rank_one_update_edge_cases():
         got = smallest_after_rank_one(la, z)
         err = float((got - ref).abs().max())
         assert err < 1e-13, f"k={k}: error {err:.1e}"
+        assert torch.equal(got[:20], la[:20, 0]), "z_1 = 0 must give la_1 exactly"
+
+
+@pytest.mark.parametrize("spec", VARIANTS, ids=IDS)
+def test_gauge_grams_leave_out_exactly_the_freed_bias_rows(spec: AttentionSpec):
+    """Against an independent formula: the Gram matrices of weights whose freed bias rows are
+    set to what stays (b_K's rotated dims for kappa; nothing of b_V for nu with b_O)."""
+    w = point(spec, torch.float64)
+    expected = {"qk": grams(w, "qk"), "vo": grams(w, "vo")}
+    if w.b_K is not None and spec.qk_norm == "none" and spec.pass_dims:
+        stays = torch.zeros(spec.head_dim, dtype=w.b_K.dtype)
+        stays[: spec.rope_dims] = 1.0
+        expected["qk"] = grams(w.replace(b_K=w.b_K * stays), "qk")
+    if w.b_V is not None and w.b_O is not None:
+        expected["vo"] = grams(w.replace(b_V=torch.zeros_like(w.b_V)), "vo")
+    for side in ("qk", "vo"):
+        for got, want in zip(gauge_grams(w, side), expected[side], strict=True):
+            err = float((got - want).abs().max() / want.abs().max())
+            assert err < 1e-13, f"{side}: {err:.1e}"
 
 
 @pytest.mark.parametrize("spec", VARIANTS, ids=IDS)

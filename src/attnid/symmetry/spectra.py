@@ -77,35 +77,43 @@ def smallest_eigenvalues(w: AttentionWeights, side: str) -> tuple[torch.Tensor, 
 
     From `gauge_eigh` (which the projection at the same point reuses), with the freed bias
     rows added back through the secular equation of a rank-one update; directly by
-    ``eigvalsh`` under QK-norm (no preconditioner needs the QK spectrum there) and when
-    RoPE keeps part of ``b_K`` in the gauge matrix (the difference is not rank-one).
+    ``eigvalsh`` under QK-norm (no preconditioner needs the QK spectrum there) and, for the
+    key side, when RoPE keeps part of ``b_K`` in the gauge matrix (the difference is not
+    rank-one). Clamped at 0 (the matrices are positive semi-definite).
     """
     freed = freed_bias(w, side)
-    if (side == "qk" and w.spec.qk_norm != "none") or (freed is not None and freed[2] is not None):
-        dtype = torch.float64 if w.W_Q.dtype == torch.float64 else torch.float32
-        left, right = (torch.linalg.eigvalsh(g.to(dtype))[..., 0].double() for g in grams(w, side))
-        return left, right
+    if side == "qk" and w.spec.qk_norm != "none":
+        return _eigvalsh_min(w, side, 0), _eigvalsh_min(w, side, 1)
     la, U, mu, V = gauge_eigh(w, side)
     out = [la[..., 0], mu[..., 0]]
     if freed is not None:
-        which, b, _ = freed
+        which, b, kept = freed
         vals, vecs = (la, U) if which == 0 else (mu, V)
-        out[which] = smallest_after_rank_one(vals, (b.unsqueeze(-2) @ vecs).squeeze(-2))
+        out[which] = (smallest_after_rank_one(vals, (b.unsqueeze(-2) @ vecs).squeeze(-2)) if kept is None
+                      else _eigvalsh_min(w, side, which))
     return out[0], out[1]
+
+
+def _eigvalsh_min(w: AttentionWeights, side: str, which: int) -> torch.Tensor:
+    """Smallest eigenvalue of one full Gram matrix by ``eigvalsh``, in the weights' precision."""
+    dtype = torch.float64 if w.W_Q.dtype == torch.float64 else torch.float32
+    G = grams(w, side)[which].to(dtype)
+    return torch.linalg.eigvalsh(G)[..., 0].double().clamp_min(0)  # a PSD Gram, like gauge_eigh
 
 
 def smallest_after_rank_one(la: torch.Tensor, z: torch.Tensor, iters: int = 64) -> torch.Tensor:
     """Smallest eigenvalue of ``diag(la) + z z^T`` (``la`` ascending), float64 ``[...]``.
 
-    It lies in ``[la_1, min(la_2, la_1 + |z|^2)]`` (interlacing) and is the root there of the
-    secular equation ``f(x) = 1 + sum_i z_i^2 / (la_i - x)``, which increases on that
-    interval; bisection halves it ``iters`` times (64: to float64 resolution). ``z_1 = 0``
-    or ``la_1 = la_2`` give ``la_1``.
+    It lies in ``[la_1, min(la_2, la_1 + z_1^2)]`` (interlacing; the Rayleigh quotient of the
+    first unit vector) and is the root there of the secular equation
+    ``f(x) = 1 + sum_i z_i^2 / (la_i - x)``, which increases on that interval; bisection
+    halves it ``iters`` times (64: to float64 resolution). ``z_1 = 0`` or ``la_1 = la_2``
+    give exactly ``la_1``.
     """
     la, z = la.double(), z.double()
     z2 = z * z
     lo = la[..., 0]
-    hi = lo + z2.sum(-1)
+    hi = lo + z2[..., 0]
     if la.shape[-1] > 1:
         hi = torch.minimum(hi, la[..., 1])
     for _ in range(iters):
@@ -114,4 +122,4 @@ def smallest_after_rank_one(la: torch.Tensor, z: torch.Tensor, iters: int = 64) 
         below = f < 0  # the root is above mid (NaN from 0/0 at la_1 = mid: keep the lower half)
         lo = torch.where(below, mid, lo)
         hi = torch.where(below, hi, mid)
-    return 0.5 * (lo + hi)
+    return torch.where(z2[..., 0] == 0, la[..., 0], 0.5 * (lo + hi))
