@@ -38,7 +38,7 @@ def test_smallest_eigenvalues_are_those_of_the_full_grams(spec: AttentionSpec, d
         for i in range(2):
             scale = float(full[i][..., -1].max())
             err = float((got[i] - full[i][..., 0]).abs().max()) / scale
-            assert err < TOL[dtype], f"{side} {'left right'.split()[i]}: relative error {err:.1e}"
+            assert err < TOL[dtype], f"{side} {['left', 'right'][i]}: relative error {err:.1e}"
 
 
 @pytest.mark.parametrize("spec", [s for s in VARIANTS if freed_bias(point(s, torch.float64), "vo")
