@@ -180,7 +180,10 @@ def _grouped(x: torch.Tensor, G: int) -> torch.Tensor:
 def memoised(w: AttentionWeights, key: object, compute: Callable[[], T]) -> T:
     """``compute()``, cached on the container ``w`` under ``key`` until one of its tensors is
     changed in place (the cache is keyed by the tensors' version counters, so views of
-    parameters that were since updated are recomputed)."""
+    parameters that were since updated are recomputed). Tensors made under
+    ``torch.inference_mode`` have no version counter and are not cached."""
+    if any(t.is_inference() for _, t in w.items()):
+        return compute()  # made under torch.inference_mode: no version counter to key on
     cache = w.__dict__.setdefault("_memo", {})
     versions = tuple(t._version for _, t in w.items())
     if key not in cache or cache[key][0] != versions:

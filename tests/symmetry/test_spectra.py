@@ -128,3 +128,16 @@ def test_mu_and_the_next_projection_share_one_eigendecomposition(monkeypatch: py
     project(w1, w0 - w1, "vo")
     assert len(calls) == 6, calls
     assert torch.isfinite(m["mu_qk"]).all()
+
+
+def test_metrics_and_projection_work_under_inference_mode():
+    """Inference tensors have no version counter: computed without the cache, same values."""
+    spec = AttentionSpec(d_model=12, n_heads=3, bias="qkvo")
+    w = point(spec, torch.float64)
+    delta = point(spec, torch.float64, 1)
+    want = metrics(w.clone())["mu_vo"], project(w.clone(), delta, "vo").rho
+    with torch.inference_mode():
+        w_inf = w.clone()
+        got = metrics(w_inf)["mu_vo"], project(w_inf, delta, "vo").rho
+    for a, b in zip(got, want, strict=True):
+        assert torch.allclose(a, b, rtol=1e-12, atol=0), (a, b)
