@@ -151,7 +151,7 @@ class Monitor:
         (the model changed dtype or device)."""
         if all(b is not snap for b in self._buffers):
             if spare is not None:
-                self._buffers[next(i for i, b in enumerate(self._buffers) if b is spare)] = snap
+                self._buffers = [snap if b is spare else b for b in self._buffers]
             elif len(self._buffers) < 2:
                 self._buffers.append(snap)
         return snap

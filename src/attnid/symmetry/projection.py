@@ -96,9 +96,8 @@ def _translation_factor(tmap: TangentMap) -> torch.Tensor:
     preconditions, so it is formed in float32: its rounding costs CG an iteration, never
     accuracy."""
     W = group_sum_out(tmap.w).float().reshape(*tmap.w.batch_shape, -1, tmap.spec.d_model)  # [..., G dv, d]
-    eye = torch.eye(W.shape[-2], dtype=W.dtype, device=W.device).expand(*W.shape[:-1], W.shape[-2])
-    return torch.linalg.cholesky(torch.baddbmm(eye, W, W.transpose(-1, -2)) if W.ndim == 3
-                                 else eye + W @ W.transpose(-1, -2))
+    D = W @ W.transpose(-1, -2) + torch.eye(W.shape[-2], dtype=W.dtype, device=W.device)
+    return torch.linalg.cholesky(D)
 
 
 def solve_generators(tmap: TangentMap, delta: dict[str, torch.Tensor], *, tol: float = 1e-13,

@@ -38,6 +38,11 @@ def freed_bias(w: AttentionWeights, side: str) -> tuple[int, torch.Tensor, torch
     return None
 
 
+def _working_dtype(w: AttentionWeights) -> torch.dtype:
+    """The weights' precision for the small eigenproblems: float64 stays, the rest is float32."""
+    return torch.float64 if w.W_Q.dtype == torch.float64 else torch.float32
+
+
 def _outer(b: torch.Tensor) -> torch.Tensor:
     return b.unsqueeze(-1) * b.unsqueeze(-2)
 
@@ -62,10 +67,9 @@ def gauge_eigh(w: AttentionWeights, side: str) -> tuple[torch.Tensor, ...]:
     preconditioner symmetric positive definite, so the projection stays exact (§10.5).
     """
     def compute() -> tuple[torch.Tensor, ...]:
-        dtype = torch.float64 if w.W_Q.dtype == torch.float64 else torch.float32
         out: list[torch.Tensor] = []
         for G in gauge_grams(w, side):
-            la, U = torch.linalg.eigh(G.to(dtype))
+            la, U = torch.linalg.eigh(G.to(_working_dtype(w)))
             out += [la.double().clamp_min(0), U.double()]  # a PSD Gram: no negative rounding
         return tuple(out)
 
@@ -81,11 +85,11 @@ def smallest_eigenvalues(w: AttentionWeights, side: str) -> tuple[torch.Tensor, 
     key side, when RoPE keeps part of ``b_K`` in the gauge matrix (the difference is not
     rank-one). Clamped at 0 (the matrices are positive semi-definite).
     """
-    freed = freed_bias(w, side)
     if side == "qk" and w.spec.qk_norm != "none":
         return _eigvalsh_min(w, side, 0), _eigvalsh_min(w, side, 1)
     la, U, mu, V = gauge_eigh(w, side)
     out = [la[..., 0], mu[..., 0]]
+    freed = freed_bias(w, side)
     if freed is not None:
         which, b, kept = freed
         vals, vecs = (la, U) if which == 0 else (mu, V)
@@ -96,8 +100,7 @@ def smallest_eigenvalues(w: AttentionWeights, side: str) -> tuple[torch.Tensor, 
 
 def _eigvalsh_min(w: AttentionWeights, side: str, which: int) -> torch.Tensor:
     """Smallest eigenvalue of one full Gram matrix by ``eigvalsh``, in the weights' precision."""
-    dtype = torch.float64 if w.W_Q.dtype == torch.float64 else torch.float32
-    G = grams(w, side)[which].to(dtype)
+    G = grams(w, side)[which].to(_working_dtype(w))
     return torch.linalg.eigvalsh(G)[..., 0].double().clamp_min(0)  # a PSD Gram, like gauge_eigh
 
 
