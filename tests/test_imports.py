@@ -113,3 +113,70 @@ def test_no_private_torch_apis():
             for n in [a.name for a in node.names] + (node.module or "").split(".")
             if n.startswith("_") and n != "__future__"]
     assert not hits, hits
+
+
+def test_the_old_optim_module_warns_and_still_works():
+    code = ("import warnings; warnings.simplefilter('error', DeprecationWarning)\n"
+            "try:\n    import attnid.optim\nexcept DeprecationWarning as e:\n    print('warned:', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         check=True).stdout
+    assert out.startswith("warned: attnid.optim is deprecated"), out
+    from attnid.monitor import Monitor
+
+    with pytest.warns(DeprecationWarning):
+        import importlib
+
+        import attnid.optim as old
+
+        importlib.reload(old)
+    assert old.Monitor is Monitor
+
+
+def _packages(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The graph between attnid's top-level units (a subpackage or a top-level module), the
+    root package's lazy facade (``attnid/__init__``, which imports nothing at load) left out."""
+    unit = lambda m: ".".join(m.split(".")[:2])  # noqa: E731
+    out: dict[str, set[str]] = {}
+    for m, deps in graph.items():
+        if m == "attnid":
+            continue
+        out.setdefault(unit(m), set()).update(unit(d) for d in deps if unit(d) not in (unit(m), "attnid"))
+    return out
+
+
+def _package_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    pk = _packages(graph)
+    colour: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        colour[m] = 1
+        stack.append(m)
+        for n in sorted(pk.get(m, ())):
+            if colour.get(n) == 1:
+                return [*stack[stack.index(n):], n]
+            if n not in colour and (found := visit(n)):
+                return found
+        stack.pop()
+        colour[m] = 2
+        return None
+
+    for m in sorted(pk):
+        if m not in colour and (found := visit(m)):
+            return found
+    return None
+
+
+def test_no_package_level_cycles():
+    # a lower floor never imports a higher one: e.g. adapters/ (which read configs into specs
+    # and structures) must not import whole/ (which builds on adapters)
+    cycle = _package_cycle(GRAPH)
+    assert cycle is None, "package-level import cycle: " + " -> ".join(cycle)
+
+
+def test_the_package_cycle_check_can_fail():
+    planted = {m: set(d) for m, d in GRAPH.items()}
+    planted["attnid.adapters.base"].add("attnid.whole.check")  # whole/ imports adapters/
+    assert "attnid.adapters.base" in planted["attnid.whole.check"]
+    cycle = _package_cycle(planted)
+    assert cycle is not None and {"attnid.adapters", "attnid.whole"} <= set(cycle), cycle

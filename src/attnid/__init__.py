@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from attnid.errors import AttnidError
     from attnid.spec import AttentionSpec
     from attnid.theory import Component, Count, count
-    from attnid.whole.count import WholeCount
+    from attnid.theory.whole import WholeCount
     from attnid.whole.model import count_model
 
 _HOME = {
@@ -31,7 +31,7 @@ _HOME = {
     "Component": "attnid.theory",
     "Count": "attnid.theory",
     "count": "attnid.theory",
-    "WholeCount": "attnid.whole.count",
+    "WholeCount": "attnid.theory.whole",
     "count_model": "attnid.whole.model",
 }
 __all__ = [

@@ -1,126 +1,237 @@
-"""Streaming safetensors: read headers without loading data; write a file one tensor at a time.
+"""Safetensors files: read through the safetensors library, written one tensor at a time.
 
-Peak memory of a rewrite is what the caller holds (one layer), whatever the file size.
+Reading: :class:`TensorFile` opens a file with ``safetensors.safe_open`` (memory-mapped, the
+header validated by the library: offsets, shapes against byte sizes, dtypes), and reads one
+tensor at a time. :func:`weight_files` finds a model directory's shards (one file, or a
+``model.safetensors.index.json`` whose map is checked against the shards' contents).
+
+Writing: :func:`write_streaming` is hand-written because the library has nothing like it:
+``safetensors.torch.save_file`` serialises a dict that must hold every tensor of the file at
+once, so rewriting a 7B checkpoint that way needs the whole shard in memory. Here tensors are
+produced and written one by one, so peak memory is what the caller holds (a layer).
+
+Every refusal is one :class:`~attnid.errors.AttnidError` naming the file (and, where the
+library's message allows it, the tensor and the field).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import struct
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from attnid.errors import AttnidError
+from attnid.errors import AttnidError, require
 
-DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-          "U8": torch.uint8, "BOOL": torch.bool}
+# the floating dtypes attnid rewrites (any dtype torch and safetensors know is read and copied)
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 NAMES = {v: k for k, v in DTYPES.items()}
+MAX_HEADER = 100_000_000  # the library's own limit on the header's size
+INDEX = "model.safetensors.index.json"
 
 
-def read_header(path: Path) -> tuple[dict[str, Any], int]:
-    """``(header, data_start)`` of a safetensors file; a clear error if it is not one."""
+@dataclass(frozen=True)
+class TensorInfo:
+    """What a file's header says of one tensor: its safetensors dtype name and shape."""
+
+    dtype: str
+    shape: tuple[int, ...]
+
+
+class TensorFile:
+    """One safetensors file, opened for reading (nothing but the header is read until asked).
+
+    >>> import tempfile, pathlib
+    >>> from safetensors.torch import save_file
+    >>> path = pathlib.Path(tempfile.mkdtemp()) / "w.safetensors"
+    >>> save_file({"w": torch.ones(2, 3)}, str(path))
+    >>> f = TensorFile(path)
+    >>> f.names, f.info("w")
+    (['w'], TensorInfo(dtype='F32', shape=(2, 3)))
+    >>> f.tensor("w").sum().item()
+    6.0
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        require("safetensors", "hf")
+        from safetensors import SafetensorError, safe_open
+
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise AttnidError(f"{self.path} does not exist or is not a file")
+        try:
+            self._file = safe_open(str(self.path), framework="pt")
+            self.names: list[str] = list(self._file.keys())
+            self.metadata: dict[str, str] | None = self._file.metadata()
+            self._info = {}
+            for n in self.names:
+                s = self._file.get_slice(n)
+                self._info[n] = TensorInfo(str(s.get_dtype()), tuple(int(x) for x in s.get_shape()))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise AttnidError(f"{self.path} is not a valid safetensors file: {_diagnose(self.path, e)}"
+                              ) from None
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._info
+
+    def info(self, name: str) -> TensorInfo:
+        return self._info[name]
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """One tensor, as stored (a copy in memory)."""
+        try:
+            return self._file.get_tensor(name)
+        except Exception as e:  # the library's error types differ between versions and dtypes
+            raise AttnidError(f"{self.path}: tensor {name} cannot be read ({self._info[name].dtype}): "
+                              f"{e}") from None
+
+
+def _diagnose(path: Path, error: Exception) -> str:
+    """The library's refusal, made specific where it is vague: the tensor and the field."""
+    message = re.sub(r"^Error while deserializing header: ", "", str(error))
     try:
-        size = path.stat().st_size
         with path.open("rb") as f:
             raw = f.read(8)
-            if len(raw) < 8:
-                raise AttnidError(f"{path} is not a safetensors file (truncated)")
-            (n,) = struct.unpack("<Q", raw)
-            if n > size - 8 or n > 100_000_000:
-                raise AttnidError(f"{path} is corrupt (header length {n} beyond the file)")
+            (n,) = struct.unpack("<Q", raw) if len(raw) == 8 else (None,)
+            if n is None or n > MAX_HEADER:
+                return message
             header = json.loads(f.read(n))
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise AttnidError(f"{path} is not a readable safetensors file: {e}") from None
-    end = 8 + n
-    for name, info in header.items():
+    except (OSError, ValueError):
+        return message
+    if not isinstance(header, dict):
+        return f"its header is a JSON {type(header).__name__}, not an object of tensors"
+    for name, entry in header.items():
         if name == "__metadata__":
             continue
-        _, hi = info["data_offsets"]
-        if end + hi > size:
-            raise AttnidError(f"{path} is truncated: tensor {name} runs past the end of the file")
-    return header, end
-
-
-def read_bytes(path: Path, header: dict[str, Any], start: int, name: str) -> bytes:
-    """A tensor's raw little-endian bytes, as stored."""
-    lo, hi = header[name]["data_offsets"]
-    with path.open("rb") as f:
-        f.seek(start + lo)
-        return f.read(hi - lo)
-
-
-def read_tensor(path: Path, header: dict[str, Any], start: int, name: str) -> torch.Tensor:
-    """One tensor as a torch tensor; one clear error for a dtype outside :data:`DTYPES`."""
-    info = header[name]
-    dtype = DTYPES.get(info["dtype"])
-    if dtype is None:
-        raise AttnidError(f"{path}: {name} is stored as {info['dtype']}, which attnid cannot "
-                          f"rewrite (it reads {', '.join(DTYPES)})")
-    data = bytearray(read_bytes(path, header, start, name))
-    t = torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
-    return t.reshape(info["shape"])
-
-
-def write_streaming(path: Path, entries: list[tuple[str, str, list[int], int]],
-                    produce: Callable[[str], torch.Tensor | bytes],
-                    metadata: dict[str, str] | None = None) -> None:
-    """Write ``entries`` (name, dtype name, shape, byte size) in order; ``produce(name)`` gives
-    each tensor, or, for a tensor copied unchanged, its raw bytes (then any dtype, also ones
-    outside :data:`DTYPES` such as ``F8_E4M3``, is written as it was stored)."""
-    header: dict[str, Any] = {}
-    if metadata:
-        header["__metadata__"] = metadata
-    offset = 0
-    for name, dtype, shape, nbytes in entries:
-        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
-    with path.open("wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for name, dtype, shape, nbytes in entries:
-            t = produce(name)
-            if isinstance(t, torch.Tensor):
-                if NAMES.get(t.dtype) != dtype or list(t.shape) != list(shape):
-                    raise AttnidError(f"internal: {name} changed dtype or shape")
-                t = memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
-            if len(t) != nbytes:
-                raise AttnidError(f"internal: {name} has {len(t)} bytes, expected {nbytes}")
-            f.write(t)
+        if not isinstance(entry, dict):
+            return f"tensor {name}: its entry is not an object"
+        for key in ("dtype", "shape", "data_offsets"):
+            if key not in entry:
+                return f"tensor {name}: no {key!r} field"
+        shape, offsets = entry["shape"], entry["data_offsets"]
+        if not (isinstance(shape, list) and all(isinstance(x, int) and x >= 0 for x in shape)):
+            return f"tensor {name}: 'shape' {shape!r} is not a list of non-negative integers"
+        if not (isinstance(offsets, list) and len(offsets) == 2
+                and all(isinstance(x, int) and x >= 0 for x in offsets) and offsets[0] <= offsets[1]):
+            return f"tensor {name}: 'data_offsets' {offsets!r} is not an increasing pair of byte offsets"
+        dtype = entry["dtype"]
+        if dtype not in _BITS and dtype not in ("F4", "F6_E2M3", "F6_E3M2"):
+            return f"tensor {name}: unknown 'dtype' {dtype!r}"
+        if dtype in _BITS and _numel(shape) * _BITS[dtype] != 8 * (offsets[1] - offsets[0]):
+            return (f"tensor {name}: 'shape' {shape} of {dtype} needs {_numel(shape) * _BITS[dtype] // 8} "
+                    f"bytes, its 'data_offsets' hold {offsets[1] - offsets[0]}")
+        if 8 + n + offsets[1] > path.stat().st_size:
+            return (f"truncated: tensor {name} ends at byte {8 + n + offsets[1]}, the file has "
+                    f"{path.stat().st_size}")
+    return message
 
 
 def weight_files(model_dir: Path) -> list[Path]:
-    """The safetensors shards of a model directory (single file or indexed shards)."""
-    index = model_dir / "model.safetensors.index.json"
+    """The safetensors shards of a model directory: ``model.safetensors``, or the files a
+    ``model.safetensors.index.json`` names (checked: a JSON object with a ``weight_map`` of
+    tensor names to shard files, every shard present)."""
+    index = model_dir / INDEX
     if index.exists():
-        try:
-            wm = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise AttnidError(f"{index} is corrupt: {e}") from None
-        files = sorted(set(wm.values()))
-        missing = [f for f in files if not (model_dir / f).exists()]
-        if missing:
-            raise AttnidError(f"{model_dir} is missing shard(s): {', '.join(missing)}")
-        return [model_dir / f for f in files]
+        return sorted({model_dir / f for f in _weight_map(index).values()})
     single = model_dir / "model.safetensors"
     if single.exists():
         return [single]
     raise AttnidError(f"{model_dir} has no safetensors weights (model.safetensors or an index)")
 
 
-def all_names(files: Iterable[Path]) -> dict[str, tuple[Path, dict[str, Any], int]]:
-    out = {}
-    for p in files:
-        header, start = read_header(p)
-        for name in header:
-            if name != "__metadata__":
-                out[name] = (p, header, start)
+def _weight_map(index: Path) -> dict[str, str]:
+    try:
+        data = json.loads(index.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise AttnidError(f"{index} is not valid JSON: {e}") from None
+    wm = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
+        raise AttnidError(f"{index}: 'weight_map' is missing or not an object of tensor names to files")
+    for f in sorted(set(wm.values())):
+        if Path(f).name != f:
+            raise AttnidError(f"{index}: shard {f!r} is not a file name inside the model directory")
+        if not (index.parent / f).is_file():
+            raise AttnidError(f"{index.parent} is missing shard {f} (named in {index.name})")
+    return wm
+
+
+def open_files(model_dir: Path, files: list[Path] | None = None) -> dict[str, TensorFile]:
+    """Tensor name -> the open file holding it, for a model directory's shards (or the given
+    files). Shards found through an index must hold exactly what its map says."""
+    indexed = files is None and (model_dir / INDEX).exists()
+    opened = [TensorFile(p) for p in (weight_files(model_dir) if files is None else files)]
+    out: dict[str, TensorFile] = {}
+    for f in opened:
+        for n in f.names:
+            if n in out:
+                raise AttnidError(f"tensor {n} is stored twice: in {out[n].path.name} and {f.path.name}")
+            out[n] = f
+    if indexed:
+        wm = _weight_map(model_dir / INDEX)
+        for n, f in out.items():
+            if wm.get(n) != f.path.name:
+                raise AttnidError(f"{model_dir / INDEX}: tensor {n} is in {f.path.name}, but the "
+                                  f"index says {wm.get(n) or 'nothing'}")
+        missing = sorted(set(wm) - set(out))
+        if missing:
+            raise AttnidError(f"{model_dir / INDEX} names tensor {missing[0]} in {wm[missing[0]]}, "
+                              "which does not hold it")
     return out
+
+
+def write_streaming(path: Path, entries: list[tuple[str, str, tuple[int, ...]]],
+                    produce: Callable[[str], torch.Tensor],
+                    metadata: dict[str, str] | None = None) -> None:
+    """Write ``entries`` (name, safetensors dtype name, shape) in order; ``produce(name)`` gives
+    each tensor, which must have that shape and a dtype of that byte size (a tensor copied
+    unchanged keeps its stored bytes, whatever its dtype). See the module docstring for why
+    this is not ``safetensors.torch.save_file``."""
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = metadata
+    offset = 0
+    sizes = {}
+    for name, dtype, shape in entries:
+        nbytes = _itemsize(dtype) * _numel(shape)
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        sizes[name] = nbytes
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with path.open("wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for name, dtype, shape in entries:
+            t = produce(name)
+            if tuple(t.shape) != tuple(shape) or (dtype in DTYPES and t.dtype != DTYPES[dtype]):
+                raise AttnidError(f"internal: {name} changed dtype or shape")
+            data = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+            if data.nbytes != sizes[name]:
+                raise AttnidError(f"internal: {name} has {data.nbytes} bytes, expected {sizes[name]}")
+            f.write(memoryview(data))
+
+
+_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F8_E4M3FNUZ": 8,
+         "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32,
+         "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64}
+
+
+def _itemsize(dtype: str) -> int:
+    if dtype not in _BITS:
+        raise AttnidError(f"cannot write tensors of safetensors dtype {dtype}")
+    return _BITS[dtype] // 8
+
+
+def _numel(shape: Iterable[int]) -> int:
+    n = 1
+    for x in shape:
+        n *= int(x)
+    return n
 
 
 def weight_prefix(index: Iterable[str], first: str) -> str:

@@ -33,7 +33,7 @@ def minilm() -> Path:
 
 @pytest.fixture(scope="session")
 def minilm_canonical(minilm, tmp_path_factory) -> Path:
-    from attnid.surgery import canonicalize
+    from attnid.checkpoint.canonicalize import canonicalize
 
     out = tmp_path_factory.mktemp("canon") / "minilm"
     canonicalize(minilm, out)

@@ -11,8 +11,8 @@ import pytest
 pytest.importorskip("transformers")
 
 from attnid.adapters.registry import adapter_for
+from attnid.theory.whole import count_structure
 from attnid.whole.check import arbiter_whole, verify_whole
-from attnid.whole.count import count_structure
 from attnid.whole.model import count_model
 
 NOPAD = dict(pad_token_id=None, bos_token_id=None, eos_token_id=None)

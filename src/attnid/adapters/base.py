@@ -16,8 +16,8 @@ from torch import nn
 
 from attnid.errors import AttnidError
 from attnid.spec import AttentionSpec
+from attnid.structure import Structure, function_kind
 from attnid.weights import AttentionWeights
-from attnid.whole.structure import Structure, function_kind
 
 Config = dict[str, Any]
 HFForward = Callable[[nn.Module, torch.Tensor], torch.Tensor]

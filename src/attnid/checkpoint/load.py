@@ -1,6 +1,11 @@
 """Open a checkpoint for reading: a model directory, a ``config.json``, or a ``.safetensors``
 file next to its ``config.json``. Attention layers come out as float64 `AttentionWeights`
-through the family's adapter; other tensors are read on demand. Nothing is written.
+through the family's adapter; every other tensor is read on demand, one at a time, through
+the safetensors library (`attnid.io`). Nothing is ever written here.
+
+This is the one reader of the checkpoint tools (`audit`, `diff`, `canonicalize`): the
+config, the shards and every attention tensor the adapter names are checked when the
+checkpoint is opened, and every tensor read is checked for NaN and Inf.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from attnid.adapters.base import Adapter
 from attnid.adapters.config import load_config
 from attnid.adapters.registry import adapter_for
 from attnid.errors import AttnidError
-from attnid.io import all_names, read_header, read_tensor, weight_files, weight_prefix
+from attnid.io import DTYPES, TensorFile, TensorInfo, open_files, weight_prefix
 from attnid.spec import AttentionSpec
 from attnid.weights import AttentionWeights
 
@@ -25,26 +30,50 @@ from attnid.weights import AttentionWeights
 class Checkpoint:
     """An opened checkpoint (tensors are read lazily; the files are only ever read)."""
 
-    path: Path
+    path: Path  # what was opened (directory, config.json or .safetensors)
+    root: Path  # the model directory
     config: dict[str, Any]
     adapter: Adapter
     specs: list[AttentionSpec]
-    index: dict[str, tuple[Path, dict[str, Any], int]]  # tensor name -> (file, header, data start)
+    index: dict[str, TensorFile]  # tensor name -> the file holding it
     prefix: str  # outer prefix before the adapter's layer names (e.g. "model.")
 
     @property
     def n_layers(self) -> int:
         return len(self.specs)
 
+    @property
+    def files(self) -> list[TensorFile]:
+        """The open shards, in file-name order."""
+        return sorted({id(f): f for f in self.index.values()}.values(), key=lambda f: f.path.name)
+
     def attention_names(self, i: int) -> list[str]:
         return [self.prefix + n for n in self.adapter.names(i, self.specs[i])]
 
+    def info(self, name: str) -> TensorInfo:
+        """A tensor's stored dtype name and shape, from the header (nothing is read)."""
+        return self.index[name].info(name)
+
     def tensor(self, name: str) -> torch.Tensor:
-        p, header, start = self.index[name]
-        t = read_tensor(p, header, start, name)
-        if t.is_floating_point() and not torch.isfinite(t).all():
-            raise AttnidError(f"{self.path}: {name} holds NaN or Inf values")
+        """One tensor as stored; NaN or Inf in a float64/32/16 or bfloat16 tensor is refused
+        here, once for all the checkpoint tools (float8 and other dtypes attnid only copies)."""
+        t = self.index[name].tensor(name)
+        if t.dtype in DTYPES.values() and not torch.isfinite(t).all():
+            raise AttnidError(f"{self.index[name].path}: tensor {name} holds NaN or Inf values")
         return t
+
+    def resolve(self, name: str) -> str | None:
+        """The checkpoint's name for a tensor of the transformers class's ``state_dict``
+        (checkpoints may drop the class's outer prefix, ``bert.``; GPT-NeoX keeps ``embed_out``
+        for ``lm_head``), or None when it holds no such tensor."""
+        parts = name.split(".")
+        for k in range(len(parts)):
+            cand = ".".join(parts[k:])
+            if cand in self.index:
+                return cand
+        if name.startswith("lm_head."):
+            return self.resolve("embed_out." + name[len("lm_head."):])
+        return None
 
     def layer(self, i: int) -> AttentionWeights:
         """Layer ``i``'s attention in canonical form, float64."""
@@ -55,17 +84,22 @@ class Checkpoint:
         for i in range(self.n_layers):
             yield self.layer(i)
 
+    def layer_of(self) -> dict[str, int]:
+        """Attention tensor name -> its layer."""
+        return {n: i for i in range(self.n_layers) for n in self.attention_names(i)}
+
     def dtype(self) -> torch.dtype:
         """The dtype of the attention weights (the rounding level of the checkpoint)."""
         return self.tensor(self.attention_names(0)[0]).dtype
 
     def other_names(self) -> list[str]:
-        mine = {n for i in range(self.n_layers) for n in self.attention_names(i)}
+        mine = self.layer_of()
         return [n for n in self.index if n not in mine]
 
 
-def open_checkpoint(model: str | Path) -> Checkpoint:
-    """Open ``model`` (directory, config.json, or .safetensors with config.json beside it)."""
+def open_checkpoint(model: str | Path, *, purpose: str = "read") -> Checkpoint:
+    """Open ``model`` (directory, config.json, or .safetensors with config.json beside it);
+    ``purpose`` names the command in a refusal ("cannot canonicalize OLMo2 checkpoints")."""
     path = Path(model)
     if not path.exists():
         raise AttnidError(f"{model} does not exist")
@@ -80,18 +114,30 @@ def open_checkpoint(model: str | Path) -> Checkpoint:
     _, config = load_config(str(root if path.suffix != ".json" else path))
     adapter = adapter_for(config)
     if not adapter.closed_form:
-        raise AttnidError(f"cannot read {adapter.family} checkpoints: attnid lacks {adapter.missing}")
+        raise AttnidError(f"cannot {purpose} {adapter.family} checkpoints: attnid lacks {adapter.missing}")
     specs = adapter.specs(config)
-    if files is None:
-        files = weight_files(root)
-    for f in files:
-        read_header(f)  # a clear error for a truncated or corrupt file
-    index = all_names(files)
+    index = open_files(root, files)
     prefix = weight_prefix(index, adapter.names(0, specs[0])[0])
-    ck = Checkpoint(path=path, config=config, adapter=adapter, specs=specs, index=index, prefix=prefix)
+    ck = Checkpoint(path=path, root=root, config=config, adapter=adapter, specs=specs, index=index,
+                    prefix=prefix)
     for i in range(ck.n_layers):
-        for n in ck.attention_names(i):
-            if n not in index:
-                raise AttnidError(f"{model} lacks {n} (layer {i} of {adapter.family})")
+        for n, shape in stored_shapes(adapter, specs[i], i).items():
+            if prefix + n not in index:
+                raise AttnidError(f"{model} lacks {prefix + n} (layer {i} of {adapter.family})")
+            info = ck.info(prefix + n)
+            if info.dtype not in DTYPES:
+                raise AttnidError(f"{index[prefix + n].path}: tensor {prefix + n} is stored as "
+                                  f"{info.dtype}; attnid reads attention weights in "
+                                  f"{', '.join(DTYPES)}")
+            if info.shape != shape:
+                raise AttnidError(f"{index[prefix + n].path}: tensor {prefix + n} has shape "
+                                  f"{list(info.shape)}, but config.json makes it {list(shape)}")
     return ck
 
+
+def stored_shapes(adapter: Adapter, spec: AttentionSpec, i: int) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor of layer ``i``'s attention as the adapter stores it (worked
+    out on the meta device: no memory)."""
+    with torch.device("meta"):
+        w = AttentionWeights.from_tensors(spec, {n: torch.empty(s) for n, s in spec.param_shapes().items()})
+        return {n: tuple(t.shape) for n, t in adapter.write(w, i).items()}

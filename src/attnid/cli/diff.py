@@ -41,7 +41,9 @@ def _print(r: dict) -> None:
     out = console()
     out.print(table)
     o = r["other"]
-    if o["worst_tensor"] is not None:
+    if o["worst_tensor"] is not None and o["residual"] == 0.0:
+        out.print("outside attention: every tensor identical")
+    elif o["worst_tensor"] is not None:
         out.print(f"outside attention: largest difference {o['residual']:.2e} in {o['worst_tensor']}")
     out.print("covers: " + "; ".join(r["covers"]))
     b = r["break"]

@@ -29,9 +29,9 @@ from attnid.adapters.registry import adapter_for
 from attnid.arbiter.compare import CLEAR_GAP
 from attnid.arbiter.rank import ArbiterResult, jacobian_rank, norms_without_eps, randomize_
 from attnid.errors import AttnidError
+from attnid.structure import function_kind
 from attnid.theory import Component
-from attnid.whole.count import WholeCount, count_structure
-from attnid.whole.structure import function_kind
+from attnid.theory.whole import WholeCount, count_structure
 
 _F32 = (torch.float32, torch.float16, torch.bfloat16)
 

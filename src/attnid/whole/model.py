@@ -7,7 +7,7 @@ from typing import Any
 from attnid.adapters.config import load_config
 from attnid.adapters.registry import adapter_for
 from attnid.errors import AttnidError, require
-from attnid.whole.count import WholeCount, count_structure
+from attnid.theory.whole import WholeCount, count_structure
 
 
 def count_model(config: dict[str, Any] | str) -> WholeCount:

@@ -6,7 +6,7 @@ from torch import nn
 
 from attnid.adapters.base import Adapter, Config, cfg, find_first
 from attnid.adapters.registry import register
-from attnid.whole.structure import Structure
+from attnid.structure import Structure
 
 
 class _SelfAttentionAndDense(nn.Module):

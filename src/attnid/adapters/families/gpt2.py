@@ -8,8 +8,8 @@ import torch
 from attnid.adapters.base import Adapter, Config, cfg, find_first
 from attnid.adapters.registry import register
 from attnid.spec import AttentionSpec
+from attnid.structure import Structure
 from attnid.weights import AttentionWeights
-from attnid.whole.structure import Structure
 
 
 @register

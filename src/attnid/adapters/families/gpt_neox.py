@@ -16,8 +16,8 @@ from attnid.adapters.base import (
 )
 from attnid.adapters.registry import register
 from attnid.spec import AttentionSpec
+from attnid.structure import Structure
 from attnid.weights import AttentionWeights
-from attnid.whole.structure import Structure
 
 
 @register

@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from attnid.adapters.registry import adapter_for
+from attnid.structure import function_kind
 from attnid.symmetry.tangent import tangent_basis
 from attnid.weights import AttentionWeights
 from attnid.whole.check import tied_aliases, token_types, whole_forward
-from attnid.whole.structure import function_kind
 from attnid.whole.transforms import attention as A
 from attnid.whole.transforms import embeddings as E
 from attnid.whole.transforms import mlp as M

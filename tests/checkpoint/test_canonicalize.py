@@ -15,7 +15,7 @@ import torch
 from attnid.adapters import adapter_for
 from attnid.adapters.config import load_config
 from attnid.cli import main
-from attnid.io import read_bytes, read_header, read_tensor, write_streaming
+from attnid.io import TensorFile
 
 
 def _digest(d: Path) -> dict[str, str]:
@@ -51,14 +51,14 @@ def test_real_minilm_embeddings_unchanged_and_canonical(minilm, tmp_path, capsys
     b = st.SentenceTransformer(str(out), device="cpu").encode(sentences, convert_to_tensor=True)
     err = float((a - b).norm() / a.norm())
     assert err < 1e-5, f"sentence embeddings moved by {err:.2e} (relative)"
-    header, start = read_header(out / "model.safetensors")
-    names = [n for n in header if n.endswith("attention.self.key.bias")]
+    f = TensorFile(out / "model.safetensors")
+    names = [n for n in f.names if n.endswith("attention.self.key.bias")]
     assert len(names) == 6
     for name in names:
-        assert float(read_tensor(out / "model.safetensors", header, start, name).abs().max()) == 0.0
+        assert float(f.tensor(name).abs().max()) == 0.0
         p = name[: -len("attention.self.key.bias")]
-        Wq = read_tensor(out / "model.safetensors", header, start, p + "attention.self.query.weight")
-        Wk = read_tensor(out / "model.safetensors", header, start, p + "attention.self.key.weight")
+        Wq = f.tensor(p + "attention.self.query.weight")
+        Wk = f.tensor(p + "attention.self.key.weight")
         Wq, Wk = Wq.double().reshape(12, 32, 384), Wk.double().reshape(12, 32, 384)
         Gq, Gk = Wq @ Wq.transpose(1, 2), Wk @ Wk.transpose(1, 2)  # per head W^T W
         rel = float((Gq - Gk).norm() / Gk.norm())
@@ -213,34 +213,41 @@ def test_bundled_config_names_do_not_count_as_checkpoints(tmp_path, capsys):
     assert load_config("gpt2")[0] == "gpt2"  # the name is a bundled config, not weights
 
 
-# tensors stored in dtypes attnid does not read (float8, unsigned ints): (dtype, bytes per item)
-EXOTIC = {"F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
+# tensors stored in dtypes attnid does not rewrite (float8, unsigned ints)
+EXOTIC = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "U16": torch.uint16,
+          "U32": torch.uint32, "U64": torch.uint64}
 
 
-def _with_tensors(src: Path, dst: Path, extra: dict[str, tuple[str, list[int], bytes]]) -> None:
+def _with_tensors(src: Path, dst: Path, extra: dict[str, torch.Tensor]) -> None:
     """Copy the model directory ``src`` to ``dst``, its safetensors file with ``extra`` tensors
-    added or replacing stored ones (name -> dtype, shape, raw bytes)."""
+    added or replacing stored ones."""
+    from safetensors.torch import save_file
+
     shutil.copytree(src, dst)
-    path = dst / "model.safetensors"
-    header, start = read_header(path)
-    stored = {n: (v["dtype"], v["shape"], read_bytes(path, header, start, n))
-              for n, v in header.items() if n != "__metadata__"}
-    stored.update(extra)
-    entries = [(n, dt, shape, len(raw)) for n, (dt, shape, raw) in stored.items()]
-    write_streaming(path, entries, lambda n: stored[n][2], header.get("__metadata__"))
+    f = TensorFile(dst / "model.safetensors")
+    stored = {n: f.tensor(n) for n in f.names} | extra
+    save_file(stored, dst / "model.safetensors", metadata=f.metadata)
 
 
-def _exotic(seed: int, names: dict[str, int]) -> dict[str, tuple[str, list[int], bytes]]:
+def _exotic(seed: int, names: dict[str, torch.dtype]) -> dict[str, torch.Tensor]:
+    """A [3, 5] tensor of random bytes per dtype."""
     gen = torch.Generator().manual_seed(seed)
-    return {f"extra.{dt.lower()}": (dt, [3, 5], bytes(torch.randint(0, 256, (15 * size,), generator=gen,
-                                                                      dtype=torch.uint8).tolist()))
-            for dt, size in names.items()}
+    out = {}
+    for dt, dtype in names.items():
+        size = torch.empty((), dtype=dtype).element_size()
+        raw = torch.randint(0, 256, (15 * size,), generator=gen, dtype=torch.uint8)
+        out[f"extra.{dt.lower()}"] = raw.view(dtype).reshape(3, 5)
+    return out
 
 
 def _stored_bytes(path: Path) -> dict[str, tuple[str, bytes]]:
-    header, start = read_header(path)
-    return {n: (v["dtype"], read_bytes(path, header, start, n))
-            for n, v in header.items() if n != "__metadata__"}
+    f = TensorFile(path)
+    return {n: (f.info(n).dtype, f.tensor(n).reshape(-1).view(torch.uint8).numpy().tobytes())
+            for n in f.names}
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
@@ -252,29 +259,28 @@ def test_untouched_tensors_of_any_dtype_are_copied_byte_for_byte(kind, tmp_path,
     code, _, err = _canon(capsys, src, out)
     assert code == 0, err
     got = _stored_bytes(out / "model.safetensors")
-    for name, (dt, _, raw) in extra.items():
-        assert got[name] == (dt, raw), f"{name} ({dt}) was not copied byte for byte"
+    for (name, t), dt in zip(extra.items(), EXOTIC, strict=True):
+        assert got[name] == (dt, _bytes(t)), f"{name} ({dt}) was not copied byte for byte"
 
 
 def test_real_minilm_with_a_float8_tensor(minilm, tmp_path, capsys):
     # measured once: one extra float8 tensor made the rewrite fail with KeyError: 'F8_E4M3'
-    extra = _exotic(1, {"F8_E4M3": 1})
+    extra = _exotic(1, {"F8_E4M3": torch.float8_e4m3fn})
     src = tmp_path / "minilm-f8"
     _with_tensors(minilm, src, extra)
     code, rep, err = _canon(capsys, src, tmp_path / "out")
     assert code == 0, err
     assert rep["key_bias_dropped"] == 6 and rep["end_to_end_rel_diff"] < 1e-5
-    assert _stored_bytes(tmp_path / "out" / "model.safetensors")["extra.f8_e4m3"] == ("F8_E4M3",
-                                                                                     extra["extra.f8_e4m3"][2])
+    assert _stored_bytes(tmp_path / "out" / "model.safetensors")["extra.f8_e4m3"] == (
+        "F8_E4M3", _bytes(extra["extra.f8_e4m3"]))
 
 
 def test_unsupported_dtype_in_a_rewritten_tensor_is_one_error_line(tmp_path, capsys):
     src = _save_random("llama", tmp_path)
     name = "model.layers.1.self_attn.q_proj.weight"
-    header, _ = read_header(src / "model.safetensors")
-    shape = header[name]["shape"]
+    shape = TensorFile(src / "model.safetensors").info(name).shape
     bad = tmp_path / "f8-query"
-    _with_tensors(src, bad, {name: ("F8_E4M3", shape, bytes(shape[0] * shape[1]))})
+    _with_tensors(src, bad, {name: torch.zeros(shape).to(torch.float8_e4m3fn)})
     _expect_refusal(capsys, bad, tmp_path / "o", "stored as F8_E4M3")
 
 

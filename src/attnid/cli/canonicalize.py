@@ -28,7 +28,7 @@ def canonicalize_cmd(
 
     Default: every operation that applies to the architecture.
     """
-    from attnid.surgery import canonicalize
+    from attnid.checkpoint.canonicalize import canonicalize
 
     result = canonicalize(in_dir, out_dir, drop_key_bias=drop_key_bias,
                           fold_value_bias=fold_value_bias, balance=balance, fold_norms=fold_norms,

@@ -1,4 +1,6 @@
-"""A family-independent description of a whole transformer, read from its config.
+"""`Structure`: a frozen, family-independent description of a whole transformer, the
+whole-model twin of :class:`attnid.spec.AttentionSpec` (a core type: it imports nothing
+above ``spec``).
 
 Everything the whole-model count depends on: the residual layout, the norms, the MLP, the
 embeddings, the head, and the function the architecture names. Adapters fill it in

@@ -26,8 +26,8 @@ from typing import Any
 
 from attnid.errors import AttnidError
 from attnid.spec import AttentionSpec
-from attnid.theory import Component, ComponentTotals, count
-from attnid.whole.structure import Structure
+from attnid.structure import Structure
+from attnid.theory.attention import Component, ComponentTotals, count
 
 
 @dataclass(frozen=True)

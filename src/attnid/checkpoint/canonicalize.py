@@ -1,0 +1,229 @@
+"""`attnid canonicalize`: function-preserving surgery on a real checkpoint.
+
+For every attention layer: drop the key bias where it is unidentified, fold the value bias
+into the output bias, and balance QK (``W_Q^T W_Q = W_K^T W_K`` per group; under RoPE only
+within the commutant) and VO; optionally fold every absorbable norm gain into its readers.
+The checkpoint is read through `attnid.checkpoint.load.Checkpoint` (the one reader) and
+written one tensor at a time (`attnid.io.write_streaming`), so peak memory is one layer.
+The output goes to a temporary sibling of ``out_dir``, is verified (every layer in float64
+on probe inputs, and end to end with transformers for checkpoints small enough) and only
+then moved into place. The input is never modified.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import secrets
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from attnid.adapters.base import hf_model_class
+from attnid.checkpoint.load import Checkpoint, open_checkpoint
+from attnid.errors import AttnidError, require
+from attnid.io import DTYPES, write_streaming
+from attnid.symmetry.rebalance import drop_key_bias as zero_free_key_bias
+from attnid.symmetry.rebalance import fold_value_bias as fold_value_bias_into_output
+from attnid.symmetry.rebalance import rebalance_qk, rebalance_vo
+from attnid.testing import tolerance
+from attnid.weights import AttentionWeights
+
+
+@dataclass(frozen=True)
+class Operations:
+    drop_key_bias: bool
+    fold_value_bias: bool
+    balance: bool
+    fold_norms: bool = False
+
+
+def canonicalize(in_dir: str | Path, out_dir: str | Path, *, drop_key_bias: bool | None = None,
+                 fold_value_bias: bool | None = None, balance: bool | None = None,
+                 fold_norms: bool = False, force: bool = False,
+                 end_to_end_max_bytes: int = 2 * 1024**3) -> dict[str, Any]:
+    """Canonicalize a checkpoint directory; returns the report. See the module docstring.
+
+    ``None`` for an operation means: do it wherever it applies to the architecture.
+    """
+    start = time.perf_counter()
+    src, dst = check_out_dir(in_dir, out_dir, force)
+    ck = open_checkpoint(src, purpose="canonicalize")
+    ops = Operations(
+        drop_key_bias=(any("k" in s.bias and s.qk_norm == "none" and s.pass_dims for s in ck.specs)
+                       if drop_key_bias is None else drop_key_bias),
+        fold_value_bias=(any({"v", "o"} <= s.bias for s in ck.specs)
+                         if fold_value_bias is None else fold_value_bias),
+        balance=True if balance is None else balance,
+        fold_norms=fold_norms,
+    )
+    stats = {"max_abs_diff": 0.0, "max_rel_diff": 0.0, "key_bias_dropped": 0,
+             "value_bias_folded": 0, "heads_balanced": 0, "norms_folded": 0}
+    folded = _fold_norms(ck, stats) if fold_norms else {}
+    e2e = _write_verified(ck, ops, folded, stats, dst, end_to_end_max_bytes)
+    return {**stats, "end_to_end_rel_diff": e2e, "layers": ck.n_layers,
+            "operations": asdict(ops), "architecture": ck.adapter.family,
+            "seconds": time.perf_counter() - start, "out_dir": str(dst)}
+
+
+def check_out_dir(in_dir: str | Path, out_dir: str | Path, force: bool) -> tuple[Path, Path]:
+    """``(IN_DIR, OUT_DIR)`` resolved, refused before any work when writing OUT_DIR could touch
+    the input or replace something without ``force``."""
+    src, dst = Path(in_dir).resolve(), Path(out_dir).resolve()
+    if not src.is_dir():
+        raise AttnidError(f"{in_dir} is not a directory")
+    if dst == src or dst in src.parents or src in dst.parents:
+        raise AttnidError("OUT_DIR must be neither IN_DIR nor inside it nor around it "
+                          "(the input is never modified)")
+    if dst.exists() and not dst.is_dir():
+        raise AttnidError(f"{out_dir} exists and is not a directory")
+    if dst.exists() and any(dst.iterdir()) and not force:
+        raise AttnidError(f"{out_dir} exists and is not empty (use --force to replace it)")
+    return src, dst
+
+
+def _fold_norms(ck: Checkpoint, stats: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """--fold-norms: every absorbable norm gain into its readers (float64, checked per norm);
+    the folded tensors by checkpoint name."""
+    require("transformers", "hf")
+    from attnid.whole.transforms.fold import fold_norm_tensors, foldable_norms  # torch + transformers
+
+    def get(name: str) -> torch.Tensor | None:
+        n = ck.resolve(name)
+        return None if n is None else ck.tensor(n).double()
+
+    norms = foldable_norms(ck.config)
+    folded, worst = fold_norm_tensors(norms, get)
+    if not math.isfinite(worst) or worst > tolerance(torch.float64):
+        raise AttnidError(f"refused: folding norm gains changed a reader's output by {worst:.2e}")
+    stats["norms_folded"] = len(norms)
+    stats["max_rel_diff"] = max(stats["max_rel_diff"], worst)
+    return {ck.resolve(k): v for k, v in folded.items()}
+
+
+def rewrite_layer(ck: Checkpoint, i: int, ops: Operations, folded: dict[str, torch.Tensor],
+                  stats: dict[str, Any], gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Layer ``i``'s rewritten tensors (full names, stored dtype), checked in float64 first."""
+    s, adapter, prefix = ck.specs[i], ck.adapter, ck.prefix
+    raw = {}
+    for n in adapter.names(i, s):
+        raw[n] = ck.tensor(prefix + n)
+        if prefix + n in folded:  # a norm's gain folded into this reader first
+            raw[n] = folded[prefix + n].to(raw[n].dtype)
+    dtype = next(iter(raw.values())).dtype
+    w0 = adapter.read({k: v.double() for k, v in raw.items()}, i, s)
+    written = {k: v.to(dtype) for k, v in adapter.write(transform(w0, ops, stats), i).items()}
+    for k, v in written.items():
+        if tuple(v.shape) != tuple(raw[k].shape):
+            raise AttnidError(f"internal: {k} changed shape {tuple(raw[k].shape)} -> {tuple(v.shape)}")
+    stored = adapter.read({k: v.double() for k, v in written.items()}, i, s)
+    _check_layer(w0, stored, dtype, gen, stats, i)
+    return {prefix + k: v for k, v in written.items()}
+
+
+def _write_verified(ck: Checkpoint, ops: Operations, folded: dict[str, torch.Tensor],
+                    stats: dict[str, Any], dst: Path, end_to_end_max_bytes: int) -> float | None:
+    """Write into a fresh sibling of ``dst``, verify, then move it into place; returns the
+    end-to-end relative difference (``None`` when the checkpoint is too big to load twice)."""
+    owner = ck.layer_of()
+    cache: dict[str, torch.Tensor] = {}
+    gen = torch.Generator().manual_seed(0)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.parent / f".{dst.name}.{secrets.token_hex(4)}.tmp"
+    tmp.mkdir()  # mode 0o777 less the umask, like any folder the user creates
+    try:
+        copy_other_files(ck.root, tmp, {f.path.name for f in ck.files})
+        for f in ck.files:
+            def produce(name: str) -> torch.Tensor:
+                if name in owner:
+                    if name not in cache:
+                        cache.update(rewrite_layer(ck, owner[name], ops, folded, stats, gen))
+                    return cache.pop(name)
+                if name in folded:
+                    return folded[name].to(DTYPES[ck.info(name).dtype])
+                return ck.tensor(name)  # untouched: its stored bytes, any dtype
+
+            entries = [(n, f.info(n).dtype, f.info(n).shape) for n in f.names]
+            write_streaming(tmp / f.path.name, entries, produce, f.metadata)
+        e2e = None
+        if sum(f.path.stat().st_size for f in ck.files) <= end_to_end_max_bytes:
+            e2e = _end_to_end(ck.root, tmp, ck.config)
+            if e2e > 10 * tolerance(ck.dtype()):
+                raise AttnidError(f"refused: the rewritten model's outputs differ by {e2e:.2e} "
+                                  "(relative); nothing was written")
+        if dst.exists():
+            shutil.rmtree(dst)
+        os.replace(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return e2e
+
+
+def transform(w: AttentionWeights, ops: Operations, stats: dict[str, Any]) -> AttentionWeights:
+    s = w.spec
+    if ops.drop_key_bias and w.b_K is not None and s.qk_norm == "none" and s.pass_dims:
+        w = zero_free_key_bias(w)
+        stats["key_bias_dropped"] += 1
+    if ops.fold_value_bias and w.b_V is not None and w.b_O is not None:
+        w = fold_value_bias_into_output(w)
+        stats["value_bias_folded"] += 1
+    if ops.balance:
+        w = rebalance_qk(w, group="auto", align=True, bias_rows=False)
+        w = rebalance_vo(w, align=True, fold=False, bias_rows=False)
+        stats["heads_balanced"] += s.n_heads
+    return w
+
+
+def _check_layer(w0: AttentionWeights, w1: AttentionWeights, dtype: torch.dtype,
+                 gen: torch.Generator, stats: dict[str, Any], i: int) -> None:
+    """Both layers as float64 `attnid.Attention` on probe inputs; refuse beyond the dtype's tolerance."""
+    x = torch.randn(4, 16, w0.spec.d_model, generator=gen, dtype=torch.float64)
+    with torch.no_grad():
+        y0 = w0.to_module(copy=False)(x, causal=True)
+        y1 = w1.to_module(copy=False)(x, causal=True)
+    abs_diff = float((y1 - y0).abs().max())
+    rel = float((y1 - y0).norm() / y0.norm().clamp_min(1e-300))
+    stats["max_abs_diff"] = max(stats["max_abs_diff"], abs_diff)
+    stats["max_rel_diff"] = max(stats["max_rel_diff"], rel)
+    if not math.isfinite(rel) or rel > tolerance(dtype):
+        raise AttnidError(f"refused: layer {i} output changed by {rel:.2e} (relative) after surgery; "
+                          "nothing was written")
+
+
+def copy_other_files(src: Path, dst: Path, weights: set[str]) -> None:
+    """Everything in the model directory but its weight files (config, tokenizer, ...)."""
+    for item in src.rglob("*"):
+        rel = item.relative_to(src)
+        if item.is_dir() or (len(rel.parts) == 1 and item.name in weights):
+            continue
+        target = dst / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(item, target)
+
+
+def _end_to_end(src: Path, out: Path, config: dict[str, Any]) -> float:
+    """Load both checkpoints with transformers, run probe tokens, return the relative difference."""
+    require("transformers", "hf")
+    import transformers  # optional heavy dependency: loaded only here
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    loader = hf_model_class(config)  # the one resolver of an architecture to its class
+    try:
+        a = loader.from_pretrained(src).eval()
+        b = loader.from_pretrained(out).eval()
+    except Exception as e:
+        raise AttnidError(f"refused: transformers could not load the rewritten checkpoint: {e}") from None
+    vocab = int(config.get("vocab_size", 100))
+    ids = torch.randint(0, min(vocab, 1000), (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ya = a(input_ids=ids)
+        yb = b(input_ids=ids)
+    ta = ya.logits if hasattr(ya, "logits") and ya.logits is not None else ya.last_hidden_state
+    tb = yb.logits if hasattr(yb, "logits") and yb.logits is not None else yb.last_hidden_state
+    return float((ta - tb).double().norm() / ta.double().norm())
