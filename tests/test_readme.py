@@ -8,11 +8,13 @@ the commands in ```bash blocks (checked to exist and parse; CI runs the setup fo
 ```python block (run in order within its file's section, sharing one namespace per section,
 each with a check of what it did), the commands and flags of the CLI reference table
 (``--help``), the inline ``attnid report Llama-2-70b`` figures, the whole-model sentence and
-table.
+table, every backticked ``attnid.…`` name in the prose (it imports) and every relative link
+(its file and heading exist).
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import itertools
 import re
@@ -504,3 +506,60 @@ def test_whole_model_table_row(file, row):
     assert got == tuple(int(x.replace(",", "")) for x in (total, unid, near)), (file, name, got)
     assert f"{100 * (1 - c.unidentified / c.total):.4f}" == identified, (file, name)
 
+
+# ---- the prose: every `attnid.…` name imports, every relative link leads somewhere ------------
+def prose(text: str) -> str:
+    """The text without its fenced code blocks (those are run above)."""
+    return re.sub(r"^```.*?^```$", "", text, flags=re.M | re.S)
+
+
+NAMES = sorted({(f, name) for f, text in DOCS.items() for span in re.findall(r"`([^`]+)`", prose(text))
+                for name in re.findall(r"(?<![\w.])attnid(?:\.[A-Za-z_]\w*)+", span)})
+
+
+def resolve(name: str) -> object:
+    """The module ``name``, or the attribute it names in the longest module prefix that imports."""
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        module = ".".join(parts[:i])
+        try:
+            obj = importlib.import_module(module)
+        except ModuleNotFoundError as e:  # only "no such module" moves on; a missing dependency raises
+            if e.name is None or not (module == e.name or module.startswith(e.name + ".")):
+                raise
+            continue
+        for k, attr in enumerate(parts[i:], start=i):
+            assert hasattr(obj, attr), f"{'.'.join(parts[:k])} has no attribute {attr!r}"
+            obj = getattr(obj, attr)
+        return obj
+    raise AssertionError(f"{name}: nothing of it imports")
+
+
+def test_prose_names_some_modules():
+    assert len(NAMES) >= 10, NAMES  # guards the pattern
+
+
+@pytest.mark.parametrize("file, name", NAMES, ids=[f"{f}: {n}" for f, n in NAMES])
+def test_prose_name_resolves(file, name):
+    resolve(name)
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+LINKS = sorted({(f, target) for f, text in DOCS.items() for target in LINK.findall(prose(text))
+                if not re.match(r"[a-z]+:", target)})  # not http(s): or mailto:
+
+
+@pytest.mark.parametrize("file, target", LINKS, ids=[f"{f}: {t}" for f, t in LINKS])
+def test_relative_link(file, target):
+    path, _, anchor = target.partition("#")
+    dest = ((ROOT / file).parent / path).resolve() if path else ROOT / file
+    assert dest.exists(), f"{file} links to {target}, which does not exist"
+    if anchor:
+        text = DOCS[dest.relative_to(ROOT).as_posix()]
+        anchors = {slug(h) for h in re.findall(r"^#{1,6} (.+)$", prose(text), re.M)}
+        assert anchor in anchors, f"{file} links to {target}: no such heading in {sorted(anchors)}"
