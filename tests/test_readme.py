@@ -513,7 +513,9 @@ def prose(text: str) -> str:
     return re.sub(r"^```.*?^```$", "", text, flags=re.M | re.S)
 
 
-NAMES = sorted({(f, name) for f, text in DOCS.items() for span in re.findall(r"`([^`]+)`", prose(text))
+# CHANGELOG.md names what was, old names too
+NAMES = sorted({(f, name) for f, text in DOCS.items() if f != "CHANGELOG.md"
+                for span in re.findall(r"`([^`]+)`", prose(text))
                 for name in re.findall(r"(?<![\w.])attnid(?:\.[A-Za-z_]\w*)+", span)})
 
 

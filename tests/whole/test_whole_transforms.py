@@ -187,19 +187,6 @@ def test_transform_refuses_what_is_no_symmetry(name):
         transform(tiny_model(config, seed=0))
 
 
-def test_readme_example_runs_as_shown(capsys):
-    """The transforms example of docs/counting.md, extracted and run exactly as written."""
-    from pathlib import Path
-
-    text = Path(__file__).resolve().parents[2].joinpath("docs", "counting.md").read_text()
-    section = text[text.index("### Whole-model transforms"):]
-    code = section[section.index("```python\n") + 10:]
-    code = code[:code.index("```")]
-    assert "T.norm_bias_transfer" in code
-    exec(compile(code, "docs/counting.md", "exec"), {})
-    assert capsys.readouterr().out.strip() == "True"
-
-
 @pytest.mark.parametrize("config", [LLAMA, GPT2, NEOX, BERT], ids=["llama", "gpt2-tied", "neox", "bert"])
 def test_fold_norm_gains_sets_every_foldable_gain_to_one(config):
     new = T.fold_norm_gains(tiny_model(config, seed=0))
