@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -45,7 +47,7 @@ def test_monitor_records_every_metric(spec: AttentionSpec):
     _step(model, opt, x)
     with mon.step():
         opt.step()
-    last = mon.last
+    last = mon.last.to_dict()
     for key in ("rho_qk", "rho_vo", "beta_qk", "beta_vo", "tau_qk", "tau_vo", "mu_qk", "drift_qk",
                 "drift_vo", "update_norm", "grad_norm_bq", "grad_norm_bk"):
         assert key in last and len(last[key]) == 2, key
@@ -55,6 +57,46 @@ def test_monitor_records_every_metric(spec: AttentionSpec):
     if not spec.rope:  # the key bias gets no gradient; the query bias does
         assert max(max(r) for r in last["grad_norm_bk"]) < 1e-12
         assert min(min(r) for r in last["grad_norm_bq"]) > 1e-8
+
+
+class MixedLayers(nn.Module):
+    """Two layers of different specs: one with query/key biases and 4 groups, one without and 2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = Attention(AttentionSpec(d_model=16, n_heads=4, bias="qk"))
+        self.b = Attention(AttentionSpec(d_model=16, n_heads=4, n_kv_heads=2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x))).square().mean()
+
+
+def test_step_record_is_typed_per_layer_and_its_dict_is_the_documented_json():
+    torch.manual_seed(0)
+    model = MixedLayers().double()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    mon = Monitor(model)
+    assert mon.last is None
+    _step(model, opt, torch.randn(2, 6, 16, dtype=torch.float64))
+    w0 = AttentionWeights.from_module(model.a).clone()
+    with mon.step():
+        opt.step()
+    last = mon.last
+    assert [layer.rho_qk.shape for layer in last.layers] == [(4,), (2,)]  # per layer, its own groups
+    a, b = last.layers
+    assert a.grad_norm_bq.shape == (4,) and b.grad_norm_bq is None and b.grad_norm_bk is None
+    want = metrics(w0, AttentionWeights.from_module(model.a)).flat()
+    for key, t in a.metrics.flat().items():
+        assert torch.allclose(t, want[key], rtol=1e-12, atol=0), key
+    d = last.to_dict()
+    assert list(d) == ["beta_qk", "tau_qk", "mu_qk", "drift_qk", "beta_vo", "tau_vo", "mu_vo", "drift_vo",
+                       "rho_qk", "rho_vo", "update_norm"]  # b has no biases: no gradient-norm keys
+    assert d["rho_qk"] == [a.rho_qk.tolist(), b.rho_qk.tolist()]
+    assert d["beta_vo"] == [a.metrics.vo.beta.tolist(), b.metrics.vo.beta.tolist()]
+    assert d["update_norm"] == [float(a.update_norm), float(b.update_norm)]
+    assert torch.equal(last.rho("vo"), torch.cat([a.rho_vo, b.rho_vo]))
+    assert json.loads(json.dumps(d)) == d  # JSON-ready as it is
+    assert float(a.update_norm) > 0 and float(a.rho_qk.max()) > 1e-4  # Adam moves along the orbit
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.describe())
@@ -67,8 +109,8 @@ def test_project_correction_leaves_no_tangent_motion(spec: AttentionSpec):
         _step(model, opt, x)
         with mon.step(), fix.step():
             opt.step()
-        assert max(max(r) for r in mon.last["rho_qk"]) < 1e-10
-        assert max(max(r) for r in mon.last["rho_vo"]) < 1e-10
+        assert float(mon.last.rho("qk").max()) < 1e-10
+        assert float(mon.last.rho("vo").max()) < 1e-10
 
 
 def test_rebalance_every_n_is_function_preserving():
@@ -87,7 +129,7 @@ def test_rebalance_every_n_is_function_preserving():
         with torch.no_grad():
             after = float(model(x))
         assert abs(after - before) <= 1e-10 * max(1.0, abs(before)), (before, after)
-        beta = max(float(metrics(AttentionWeights.from_module(m))["beta_qk"].max())
+        beta = max(float(metrics(AttentionWeights.from_module(m)).qk.beta.max())
                    for m in (model.a, model.b))
         if i % 2 == 0:
             assert beta < 1e-10
@@ -123,8 +165,8 @@ def test_hooks_work_on_hugging_face_models(arch, extra):
         model(input_ids=ids, labels=ids).loss.backward()
         with mon.step(), fix.step():
             opt.step()
-    assert max(max(r) for r in mon.last["rho_qk"]) < 1e-10
-    assert max(max(r) for r in mon.last["rho_vo"]) < 1e-10
+    assert float(mon.last.rho("qk").max()) < 1e-10
+    assert float(mon.last.rho("vo").max()) < 1e-10
     reb = Corrector(model, "rebalance")
     model.eval()
     with torch.no_grad():
@@ -154,7 +196,7 @@ def test_float32_model_is_measured_like_its_float64_copy(spec: AttentionSpec):
     assert before[0].W_Q.dtype == torch.float32
     ref = mon.measure([w.to(torch.float64) for w in before], [w.to(torch.float64) for w in after])
     for key in ("rho_qk", "rho_vo", "beta_qk", "beta_vo", "mu_qk", "drift_vo", "update_norm"):
-        got, want = torch.tensor(mon.last[key]), torch.tensor(ref[key])
+        got, want = torch.tensor(mon.last.to_dict()[key]), torch.tensor(ref.to_dict()[key])
         err = float((got - want).abs().max() / want.abs().max())
         assert err < 1e-5, f"{key}: float32 snapshots vs float64 relative error {err:.2e}"
 
@@ -172,11 +214,11 @@ def test_begin_end_measure_what_step_measures():
         if split:
             mon.begin()
             opt.step()
-            results.append(mon.end())
+            results.append(mon.end().to_dict())
         else:
             with mon.step():
                 opt.step()
-            results.append(mon.last)
+            results.append(mon.last.to_dict())
         assert mon.after is not None and len(mon.after) == 1
     block, split_form = results
     assert block.keys() == split_form.keys()
@@ -210,7 +252,7 @@ def test_reused_buffers_measure_each_step_like_a_fresh_computation(change_betwee
         after = [w.clone() for w in mon.batches.snapshot()]
         ref = Monitor(model).measure(before, after)  # a fresh monitor: nothing reused
         for key in ("rho_qk", "rho_vo", "beta_qk", "mu_qk", "mu_vo", "drift_qk", "update_norm"):
-            got, want = torch.tensor(mon.last[key]), torch.tensor(ref[key])
+            got, want = torch.tensor(mon.last.to_dict()[key]), torch.tensor(ref.to_dict()[key])
             err = float((got - want).abs().max() / want.abs().max())
             assert err < 1e-12, f"step {step} {key}: relative error {err:.1e}"
         ptrs.append(mon.after[0].W_Q.data_ptr())
@@ -234,11 +276,11 @@ def test_monitor_follows_a_model_that_changes_dtype_and_measure_takes_mixed_dtyp
             opt.step()
         after = [w.clone() for w in mon.batches.snapshot()]
         ref = Monitor(model).measure(before, after)
-        got, want = torch.tensor(mon.last["rho_qk"]), torch.tensor(ref["rho_qk"])
+        got, want = mon.last.rho("qk"), ref.rho("qk")
         assert torch.equal(got, want), f"step {step}: {got} vs {want}"
     assert {b[0].W_Q.dtype for b in mon._buffers} == {torch.float32}, "float64 buffers kept"
     # public measure() with a float64 point and a float32 one: promoted, not cast down
     mixed = mon.measure([w.to(torch.float64) for w in before], after)
     ref = Monitor(model).measure([w.to(torch.float64) for w in before], [w.to(torch.float64) for w in after])
-    err = float((torch.tensor(mixed["rho_vo"]) - torch.tensor(ref["rho_vo"])).abs().max())
+    err = float((mixed.rho("vo") - ref.rho("vo")).abs().max())
     assert err < 1e-6, f"mixed-dtype measure differs by {err:.1e}"

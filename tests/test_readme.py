@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import itertools
+import json
 import re
 import shlex
 import shutil
@@ -428,8 +429,11 @@ def _check_symmetry(ns, printed, cwd):
 
 def _check_monitor(ns, printed, cwd):
     assert len(printed.strip().splitlines()) == len(ns["batches"]), printed
-    rho = ns["monitor"].last["rho_qk"]  # [layer][group], as the example's comment says
+    rho = ns["record"]["rho_qk"]  # [layer][group], as the example's comment says
     assert len(rho) == ns["model"].cfg.n_layers and all(len(r) == ns["model"].cfg.n_heads for r in rho), rho
+    first = ns["first"]
+    assert first.rho_qk.tolist() == rho[0] and first.metrics.qk.beta.shape == (ns["model"].cfg.n_heads,)
+    assert json.loads(json.dumps(ns["record"])) == ns["record"]
 
 
 def _check_canonicalize(ns, printed, cwd):

@@ -6,7 +6,7 @@
         loss = model(batch).backward()
         with monitor.step(), corrector.step():     # corrector inside: the monitor sees
             optimizer.step()                       # the update that was applied
-        log(monitor.last)
+        log(monitor.last.to_dict())                # {"rho_qk": [layer][group], ...}
 
 Layers are found through `attnid.layers` (accessors that get/set an `AttentionWeights`);
 attnid's own `Attention` is found there, `attnid.adapters` registers Hugging Face models.
@@ -16,7 +16,10 @@ All layers of the same spec are stacked and processed in one batch.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import operator
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,10 +28,10 @@ import attnid.adapters.hooks  # noqa: F401  (registers the Hugging Face layer fi
 from attnid.errors import AttnidError
 from attnid.layers import find_layers
 from attnid.spec import AttentionSpec
-from attnid.symmetry.conserved import metrics
+from attnid.symmetry.conserved import Metrics, metrics
 from attnid.symmetry.projection import project, remove_tangent
 from attnid.symmetry.rebalance import rebalance
-from attnid.weights import AttentionWeights
+from attnid.weights import SIDES, AttentionWeights, Side
 
 
 class _Batches:
@@ -79,25 +82,72 @@ def _equal(layer: AttentionWeights, stacked: AttentionWeights, j: int) -> bool:
     return all(t.dtype == stacked[n].dtype and torch.equal(t, stacked[n][j]) for n, t in layer.items())
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerStep:
+    """What one update did to one attention layer, float64. Per key/value group ``[G]``
+    unless said (QK-norm's QK-side metrics: one value per layer, ``[]``)."""
+
+    rho_qk: torch.Tensor  # [G]: tangent (orbit) share of the applied update, QK side
+    rho_vo: torch.Tensor  # [G]: the same, VO side
+    update_norm: torch.Tensor  # []: ||Δw|| of the layer's update
+    metrics: Metrics  # the conserved quantity after the update; drift: over the update
+    grad_norm_bq: torch.Tensor | None = None  # [H]: ||grad b_Q|| per head, before the update
+    grad_norm_bk: torch.Tensor | None = None  # [G]: ||grad b_K|| per group
+
+    def rho(self, side: Side) -> torch.Tensor:
+        return self.rho_qk if side == "qk" else self.rho_vo
+
+    def flat(self) -> dict[str, torch.Tensor]:
+        """Flat names (``beta_qk, ..., rho_qk, rho_vo, update_norm, grad_norm_bq, ...``):
+        the metrics' own, then this record's fields by name; absent biases left out."""
+        out = self.metrics.flat()
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name != "metrics" and v is not None:
+                out[f.name] = v
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMetrics:
+    """What one update did to every attention layer of a model: ``layers[i]`` is layer ``i``
+    (in the order of `Monitor.layer_names`)."""
+
+    layers: tuple[LayerStep, ...]
+
+    def rho(self, side: Side) -> torch.Tensor:
+        """Every layer's tangent shares on one side, concatenated: ``[sum of G]``."""
+        return torch.cat([layer.rho(side).reshape(-1) for layer in self.layers])
+
+    def to_dict(self) -> dict[str, list[Any]]:
+        """The JSON form, indexed ``[layer][group]`` (``update_norm``: ``[layer]``): the keys of
+        `LayerStep.flat`; a bias-gradient key only when every layer has that bias."""
+        rows = [layer.flat() for layer in self.layers]
+        keys = [k for k in rows[0] if all(k in r for r in rows)] if rows else []
+        return {k: [r[k].tolist() for r in rows] for k in keys}
+
+
 class Monitor:
     """Records, around each optimizer step, the paper's metrics for every attention layer.
 
     Snapshots stay in the model's dtype; the big products (Gram matrices, ``W^T dW``) run in
     it and everything derived from them (generators, metrics) is float64.
 
-    ``last`` holds per-metric lists indexed ``[layer][group]``: ``rho_qk, rho_vo`` (tangent
-    share of the applied update), ``beta_*, tau_*, mu_*, drift_*`` (conserved quantity
-    after the step), ``update_norm`` per layer, and ``grad_norm_bq, grad_norm_bk`` per head
-    when those biases exist (read from ``.grad`` at the start of the step).
+    ``last`` is the latest `StepMetrics`: per layer (``last.layers[i]``, a `LayerStep`)
+    ``rho_qk, rho_vo`` (tangent share of the applied update), ``metrics`` (``beta, tau, mu,
+    drift`` of the conserved quantity after the step, per side), ``update_norm``, and
+    ``grad_norm_bq, grad_norm_bk`` per head when those biases exist (read from ``.grad`` at
+    the start of the step); ``last.to_dict()`` is the same as JSON-ready lists indexed
+    ``[layer][group]`` under the flat names ``rho_qk, beta_qk, ...``.
     """
 
     def __init__(self, model: nn.Module, *, near: bool = False) -> None:
         self.batches = _Batches(model)
         self.near = near
-        self.last: dict[str, list] = {}
+        self.last: StepMetrics | None = None
         self._after: list[AttentionWeights] | None = None  # the last step's end point
         self._before: list[AttentionWeights] | None = None  # set by begin(), used by end()
-        self._grads: dict[str, list] = {}
+        self._grads: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
         # two snapshots and one update, reused every step: no fresh memory (and its page
         # faults) for the model-sized copies after the first step
         self._buffers: list[list[AttentionWeights]] = []
@@ -130,13 +180,15 @@ class Monitor:
         spare = self._spare(self._after)
         self._before = self._keep(self.batches.snapshot(unless_equal=self._after, into=spare), spare)
 
-    def end(self) -> dict[str, list]:
+    def end(self) -> StepMetrics:
         """After the update: measure what moved since :meth:`begin`; sets and returns ``last``."""
         if self._before is None:
             raise AttnidError("Monitor.end() needs a Monitor.begin() before the update")
         spare = self._spare(self._before)
         after = self._after = self._keep(self.batches.snapshot(into=spare), spare)
-        self.last = {**self.measure(self._before, after), **self._grads}
+        step = self.measure(self._before, after)
+        self.last = StepMetrics(tuple(dataclasses.replace(layer, grad_norm_bq=bq, grad_norm_bk=bk)
+                                      for layer, (bq, bk) in zip(step.layers, self._grads, strict=True)))
         self._before = None
         return self.last
 
@@ -156,34 +208,27 @@ class Monitor:
                 self._buffers.append(snap)
         return snap
 
-    def _bias_grads(self) -> dict[str, list]:
-        out: dict[str, list] = {}
-        for key, name in (("grad_norm_bq", "b_Q"), ("grad_norm_bk", "b_K")):
-            rows = []
-            for acc in self.batches.layers:
-                g = acc.grads().get(name)
-                if g is None:
-                    break
-                rows.append(g.detach().double().norm(dim=-1).tolist())
-            else:
-                out[key] = rows
-        return out
+    def _bias_grads(self) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+        """Per layer, ``||grad b_Q||`` and ``||grad b_K||`` per head (None without the bias or
+        its gradient)."""
+        def norm(g: torch.Tensor | None) -> torch.Tensor | None:
+            return None if g is None else g.detach().double().norm(dim=-1)
 
-    def measure(self, before: list[AttentionWeights], after: list[AttentionWeights]) -> dict[str, list]:
-        n = len(self.batches.layers)
-        out: dict[str, list] = {}
+        grads = [acc.grads() for acc in self.batches.layers]
+        return [(norm(g.get("b_Q")), norm(g.get("b_K"))) for g in grads]
+
+    def measure(self, before: list[AttentionWeights], after: list[AttentionWeights]) -> StepMetrics:
+        """What the update from ``before`` to ``after`` (snapshots: one stacked container per
+        spec group) did to every layer."""
+        layers: list[LayerStep] = [None] * len(self.batches.layers)  # type: ignore[list-item]
         for k, (idx, w0, w1) in enumerate(zip(self.batches.groups, before, after, strict=True)):
             delta = self._difference(k, w1, w0)  # in the model's dtype; the small rest is float64
-            vals = metrics(w0, w1)
-            sides = {side: project(w0, delta, side, near=self.near) for side in ("qk", "vo")}
-            for side, p in sides.items():
-                vals[f"rho_{side}"] = p.rho
-            vals["update_norm"] = (sides["qk"].delta_sq + sides["vo"].delta_sq).sqrt()
-            for key, t in vals.items():
-                rows = out.setdefault(key, [None] * n)
-                for j, i in enumerate(idx):
-                    rows[i] = t[j].tolist()
-        return out
+            m = metrics(w0, w1)
+            p = {side: project(w0, delta, side, near=self.near) for side in SIDES}
+            norm = (p["qk"].delta_sq + p["vo"].delta_sq).sqrt()  # [n]
+            for j, i in enumerate(idx):
+                layers[i] = LayerStep(p["qk"].rho[j], p["vo"].rho[j], norm[j], m.map(operator.itemgetter(j)))
+        return StepMetrics(tuple(layers))
 
     def _difference(self, k: int, w1: AttentionWeights, w0: AttentionWeights) -> AttentionWeights:
         """``w1 - w0`` for spec group ``k``, written into the monitor's update buffer."""

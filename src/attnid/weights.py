@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import torch
 
@@ -25,6 +25,9 @@ from attnid.spec import AttentionSpec
 T = TypeVar("T")
 
 NAMES = ("W_Q", "W_K", "W_V", "W_O", "b_Q", "b_K", "b_V", "b_O", "g_Q", "g_K")
+Side = Literal["qk", "vo"]
+"""One side of an attention layer: query/key (``"qk"``) or value/output (``"vo"``)."""
+SIDES: tuple[Side, Side] = ("qk", "vo")
 
 
 @dataclass(frozen=True)
@@ -191,7 +194,7 @@ def memoised(w: AttentionWeights, key: object, compute: Callable[[], T]) -> T:
     return cache[key][1]
 
 
-def grams(w: AttentionWeights, side: str) -> tuple[torch.Tensor, torch.Tensor]:
+def grams(w: AttentionWeights, side: Side) -> tuple[torch.Tensor, torch.Tensor]:
     """(left, right) Gram matrices per group: ``[..., G, k, k]`` each (cached on ``w``).
 
     QK: ``(sum_{h in g} W~_Q^hT W~_Q^h, W~_K^gT W~_K^g)``; VO: ``(W~_V^T W~_V, sum W_O W_O^T)``.
@@ -199,7 +202,7 @@ def grams(w: AttentionWeights, side: str) -> tuple[torch.Tensor, torch.Tensor]:
     return memoised(w, ("grams", side), lambda: _grams(w, side))
 
 
-def _grams(w: AttentionWeights, side: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _grams(w: AttentionWeights, side: Side) -> tuple[torch.Tensor, torch.Tensor]:
     s = w.spec
     if side == "qk":
         a = w.W_Q.transpose(-1, -2) @ w.W_Q

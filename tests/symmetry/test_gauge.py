@@ -56,7 +56,7 @@ def test_rebalance_preserves_outputs_and_zeroes_conserved(spec: AttentionSpec):
     assert err < 1e-10, f"rebalancing changed the output: relative error {err:.2e}"
     after = metrics(w2)
     for side in ("qk", "vo"):
-        b0, b1 = float(before[f"beta_{side}"].max()), float(after[f"beta_{side}"].max())
+        b0, b1 = float(before.side(side).beta.max()), float(after.side(side).beta.max())
         assert b1 < 1e-10 * max(1.0, b0), f"beta_{side} {b0:.3g} -> {b1:.3g}"
     assert all(torch.equal(saved[n], w[n]) for n, _ in w.items()), "input weights were modified"
 

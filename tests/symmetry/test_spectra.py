@@ -127,7 +127,7 @@ def test_mu_and_the_next_projection_share_one_eigendecomposition(monkeypatch: py
         w1.W_V.mul_(2.0)  # an in-place change invalidates the cache
     project(w1, w0 - w1, "vo")
     assert len(calls) == 6, calls
-    assert torch.isfinite(m["mu_qk"]).all()
+    assert torch.isfinite(m.qk.mu).all()
 
 
 def test_metrics_and_projection_work_under_inference_mode():
@@ -135,9 +135,9 @@ def test_metrics_and_projection_work_under_inference_mode():
     spec = AttentionSpec(d_model=12, n_heads=3, bias="qkvo")
     w = point(spec, torch.float64)
     delta = point(spec, torch.float64, 1)
-    want = metrics(w.clone())["mu_vo"], project(w.clone(), delta, "vo").rho
+    want = metrics(w.clone()).vo.mu, project(w.clone(), delta, "vo").rho
     with torch.inference_mode():
         w_inf = w.clone()
-        got = metrics(w_inf)["mu_vo"], project(w_inf, delta, "vo").rho
+        got = metrics(w_inf).vo.mu, project(w_inf, delta, "vo").rho
     for a, b in zip(got, want, strict=True):
         assert torch.allclose(a, b, rtol=1e-12, atol=0), (a, b)

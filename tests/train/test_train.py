@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -155,6 +156,13 @@ def test_train_prints_rho_and_beta_and_checkpoint_is_optional(tmp_path, capsys):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["median_rho_qk"] < 1e-6  # plain SGD: no orbit motion
     recs = _records(out)
+    assert set(summary) == {"steps", "final_loss", "world_size", "rank", "seconds", "median_rho_qk",
+                            "beta_qk_first", "beta_qk_last", "median_rho_vo", "beta_vo_first", "beta_vo_last"}
+    for side in ("qk", "vo"):  # the one median (even count: the mean of the two middle values)
+        rhos = [x for r in recs[1:] for row in r[f"rho_{side}"] for x in row]
+        assert len(rhos) % 2 == 0 and summary[f"median_rho_{side}"] == pytest.approx(float(np.median(rhos)))
+        betas = recs[-1][f"beta_{side}"][0]
+        assert summary[f"beta_{side}_last"] == pytest.approx(sum(betas) / len(betas), rel=1e-12)
     assert all(len(r["update_sq_qk"]) == 1 and r["update_sq_qk"][0] > 0 for r in recs)
 
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 
 from attnid.cli.app import NKVHeads, QKNormOpt, Rope, app
+
+if TYPE_CHECKING:
+    from attnid.train.loop import TrainSummary
 
 
 @app.command("train")
@@ -60,21 +63,20 @@ def train_cmd(
                 else "no checkpoint was written (--no-checkpoint)")
         typer.echo(f"error: interrupted; the log in {out} is valid; {hint}", err=True)
         raise typer.Exit(130) from None
-    if summary["rank"] == 0:
+    if summary.rank == 0:
         _print_train_summary(summary, out)
 
 
-def _print_train_summary(s: dict, out: str) -> None:
+def _print_train_summary(s: TrainSummary, out: str) -> None:
     """Final loss, then what the optimizer did along the orbits (rho) and to the conserved
     quantities (beta), then where the files are."""
-    typer.echo(f"trained {s['steps']} steps in {s['seconds']:.1f}s, final loss {s['final_loss']:.4f}")
-    for side in ("qk", "vo"):
-        if f"median_rho_{side}" in s:
-            b0, b1 = s[f"beta_{side}_first"], s[f"beta_{side}_last"]
-            change = f" ({100 * (b1 - b0) / b0:+.1f}%)" if b0 else ""
-            typer.echo(f"  {side.upper()}: median rho {s[f'median_rho_{side}']:.3g} (tangent share of the "
-                       f"updates), mean beta {b0:.4g} -> {b1:.4g}{change}")
-    size = f", checkpoint {s['checkpoint_bytes'] / 1e6:.1f} MB" if "checkpoint_bytes" in s else ""
+    typer.echo(f"trained {s.steps} steps in {s.seconds:.1f}s, final loss {s.final_loss:.4f}")
+    for side, o in s.orbit.items():
+        b0, b1 = o.beta_first, o.beta_last
+        change = f" ({100 * (b1 - b0) / b0:+.1f}%)" if b0 else ""
+        typer.echo(f"  {side.upper()}: median rho {o.median_rho:.3g} (tangent share of the "
+                   f"updates), mean beta {b0:.4g} -> {b1:.4g}{change}")
+    size = f", checkpoint {s.checkpoint_bytes / 1e6:.1f} MB" if s.checkpoint_bytes is not None else ""
     typer.echo(f"  metrics in {out}/metrics.jsonl{size}")
 
 

@@ -18,9 +18,9 @@ attnid adapter (or that is built from `attnid.Attention`) works.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import json
-import statistics
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +32,10 @@ require("transformers", "hf")
 
 from transformers import TrainerCallback  # noqa: E402
 
-from attnid.monitor import Corrector, Monitor, parse_correction  # noqa: E402
-from attnid.symmetry.conserved import conserved  # noqa: E402
+from attnid.monitor import Corrector, Monitor, StepMetrics, parse_correction  # noqa: E402
+from attnid.stats import flat, median  # noqa: E402
+from attnid.symmetry.conserved import conserved, group_norm  # noqa: E402
+from attnid.weights import SIDES, Side  # noqa: E402
 
 METRICS = ("rho_qk", "rho_vo", "beta_qk", "beta_vo", "drift_qk", "drift_vo")
 
@@ -56,8 +58,8 @@ class AttnidCallback(TrainerCallback):
         self.per_layer, self.near = per_layer, near
         self.monitor: Monitor | None = None
         self.corrector: Corrector | None = None
-        self.last: dict[str, Any] | None = None  # the latest measured record
-        self._start: list[dict[str, torch.Tensor]] = []
+        self.last: dict[str, Any] | None = None  # the latest measured record (its JSONL line)
+        self._start: list[dict[Side, torch.Tensor]] = []
         self._stack: contextlib.ExitStack | None = None
         self._measuring = False
         self._file: Path | None = None
@@ -69,7 +71,7 @@ class AttnidCallback(TrainerCallback):
             raise AttnidError("AttnidCallback needs the model (Trainer passes it)")
         self.monitor = Monitor(model, near=self.near)
         self.corrector = Corrector(model, self.correction, near=self.near)
-        self._start = [{side: conserved(w, side) for side in ("qk", "vo")}
+        self._start = [{side: conserved(w, side) for side in SIDES}
                        for w in self.monitor.batches.snapshot()]
         if self.path is not False and state.is_world_process_zero:
             self._file = Path(self.path) if isinstance(self.path, (str, Path)) else \
@@ -89,15 +91,7 @@ class AttnidCallback(TrainerCallback):
         self._stack.close()  # the corrector acts first: the monitor sees the update that was applied
         if not self._measuring:
             return
-        vals = dict(self.monitor.end())
-        after = self.monitor.after
-        for side in ("qk", "vo"):
-            rows = vals[f"drift_{side}"]
-            for idx, w, c0 in zip(self.monitor.batches.groups, after, self._start, strict=True):
-                d = conserved(w, side) - c0[side]
-                d = d.flatten(-2).norm(dim=-1) if d.ndim - len(w.batch_shape) >= 3 else d.norm(dim=-1)
-                for j, i in enumerate(idx):
-                    rows[i] = d[j].tolist()
+        vals = self._drift_from_start(self.monitor.end()).to_dict()
         self._measuring = False
         self.last = {"step": state.global_step + 1, "layers": self.monitor.layer_names, **vals}
         if self._file is not None:
@@ -113,18 +107,31 @@ class AttnidCallback(TrainerCallback):
         if state.log_history:
             state.log_history[-1].update(extra)
 
+    def _drift_from_start(self, step: StepMetrics) -> StepMetrics:
+        """``step`` with each drift measured from where training started (``||C_t - C_0||``),
+        not over the one update."""
+        layers = list(step.layers)
+        for idx, w, c0 in zip(self.monitor.batches.groups, self.monitor.after, self._start, strict=True):
+            drift = {side: group_norm(conserved(w, side) - c0[side], w, side) for side in SIDES}  # [n, G]
+            for j, i in enumerate(idx):
+                m = layers[i].metrics
+                m = dataclasses.replace(m, qk=dataclasses.replace(m.qk, drift=drift["qk"][j]),
+                                        vo=dataclasses.replace(m.vo, drift=drift["vo"][j]))
+                layers[i] = dataclasses.replace(layers[i], metrics=m)
+        return StepMetrics(tuple(layers))
+
     # ---- summaries ----------------------------------------------------------------------
     def summary(self) -> dict[str, float]:
         """``attnid/<metric>/{median,max}`` over all heads, and per layer unless disabled."""
         out: dict[str, float] = {}
         for key in METRICS:
-            rows = [_flat(r) for r in self.last[key]]
+            rows = [flat(r) for r in self.last[key]]
             every = [x for r in rows for x in r]
-            out[f"attnid/{key}/median"] = statistics.median(every)
+            out[f"attnid/{key}/median"] = median(every)
             out[f"attnid/{key}/max"] = max(every)
             if self.per_layer:
                 for i, r in enumerate(rows):
-                    out[f"attnid/{key}/layer{i}/median"] = statistics.median(r)
+                    out[f"attnid/{key}/layer{i}/median"] = median(r)
                     out[f"attnid/{key}/layer{i}/max"] = max(r)
         return out
 
@@ -137,7 +144,3 @@ class AttnidCallback(TrainerCallback):
                 flow = next(i for i, c in enumerate(ref) if type(c).__name__ == "DefaultFlowCallback")
                 ref.insert(flow + 1, self)  # earlier in the list: the running loop calls nobody twice
                 return
-
-
-def _flat(x: Any) -> list[float]:
-    return [float(v) for v in x] if isinstance(x, list) else [float(x)]

@@ -87,7 +87,7 @@ def fine_tune(name: str, steps: int, batch_size: int, held_out: list, say: Calla
             opt.step()
         hist["loss"].append(float(loss.detach()))
         for side in ("qk", "vo"):
-            hist[f"rho_{side}"].append(statistics.median(x for r in monitor.last[f"rho_{side}"] for x in r))
+            hist[f"rho_{side}"].append(statistics.median(monitor.last.rho(side).tolist()))
         drift = _rel_drift(monitor.batches.snapshot(), start)
         for side in ("qk", "vo"):
             hist[f"drift_{side}"].append(statistics.median(drift[side]))

@@ -5,7 +5,7 @@ over leading (layer) dims, and RoPE-, GQA-, bias- and QK-norm-aware.
 """
 
 from attnid.rope import project_commutant
-from attnid.symmetry.conserved import conserved, metrics
+from attnid.symmetry.conserved import Metrics, SideMetrics, conserved, metrics
 from attnid.symmetry.gauge import Gauge, apply_gauge, random_gauge
 from attnid.symmetry.projection import Projection, project, remove_tangent
 from attnid.symmetry.rebalance import (
@@ -17,12 +17,16 @@ from attnid.symmetry.rebalance import (
     rebalance_vo,
 )
 from attnid.symmetry.tangent import TangentMap, tangent_basis
-from attnid.weights import AttentionWeights, grams
+from attnid.weights import SIDES, AttentionWeights, Side, grams
 
 __all__ = [
+    "SIDES",
     "AttentionWeights",
     "Gauge",
+    "Metrics",
     "Projection",
+    "Side",
+    "SideMetrics",
     "TangentMap",
     "apply_gauge",
     "balance_pair",

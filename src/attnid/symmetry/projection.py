@@ -17,7 +17,7 @@ import torch
 
 from attnid.symmetry.spectra import gauge_eigh
 from attnid.symmetry.tangent import Gens, TangentMap, side_names, squared_norm
-from attnid.weights import AttentionWeights, group_sum_out
+from attnid.weights import SIDES, AttentionWeights, Side, group_sum_out
 
 
 def _dot(a: Gens, b: Gens, nb: int) -> torch.Tensor:
@@ -140,7 +140,7 @@ class Projection:
     part itself is formed only when asked for (``tangent``, ``visible``).
     """
 
-    side: str
+    side: Side
     tmap: TangentMap
     generators: Gens  # least-squares generators of the update (float64)
     delta: dict[str, torch.Tensor]
@@ -161,7 +161,7 @@ class Projection:
         return {k: self.delta[k] - self.tangent[k] for k in self.delta}
 
 
-def project(w: AttentionWeights, delta: AttentionWeights, side: str, *, near: bool = False,
+def project(w: AttentionWeights, delta: AttentionWeights, side: Side, *, near: bool = False,
             tol: float | None = None) -> Projection:
     """Project ``delta`` (an update at the point ``w``) onto the orbit tangent space of one side.
 
@@ -193,7 +193,7 @@ def project(w: AttentionWeights, delta: AttentionWeights, side: str, *, near: bo
     return Projection(side, tmap, gens, d, rho, rho_layer, torch.as_tensor(delta_sq), iters)
 
 
-def _group_sq(t: dict[str, torch.Tensor], w: AttentionWeights, side: str) -> torch.Tensor:
+def _group_sq(t: dict[str, torch.Tensor], w: AttentionWeights, side: Side) -> torch.Tensor:
     """Squared norm of each group's own parameters: ``[..., G]`` (shared tensors excluded)."""
     s = w.spec
     G, m = s.n_kv_heads, s.group_size
@@ -222,7 +222,7 @@ def remove_tangent(w: AttentionWeights, delta: AttentionWeights, *, near: bool =
                    ) -> AttentionWeights:
     """``delta`` minus its tangent part on both sides (the `project` correction)."""
     out = dict(delta.items())
-    for side in ("qk", "vo"):
+    for side in SIDES:
         p = project(w, delta, side, near=near)
         out.update(p.visible)
     return delta.replace(**out)

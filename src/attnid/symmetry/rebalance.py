@@ -211,7 +211,7 @@ def rebalance(w: AttentionWeights, *, group: Group = "auto", align: bool = True,
     >>> from attnid.symmetry.conserved import metrics
     >>> layer = randomize_(Attention(AttentionSpec(d_model=8, n_heads=2)).double(), 0)
     >>> w = rebalance(AttentionWeights.from_module(layer))
-    >>> bool(metrics(w)["beta_qk"].max() < 1e-12)
+    >>> bool(metrics(w).qk.beta.max() < 1e-12)
     True
     """
     w = rebalance_qk(w, group=group, align=align, bias_rows=bias_rows)

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import torch
 
-from attnid.weights import AttentionWeights, grams, memoised, pass_mask
+from attnid.weights import AttentionWeights, Side, grams, memoised, pass_mask
 
 
-def freed_bias(w: AttentionWeights, side: str) -> tuple[int, torch.Tensor, torch.Tensor | None] | None:
+def freed_bias(w: AttentionWeights, side: Side) -> tuple[int, torch.Tensor, torch.Tensor | None] | None:
     """Which bias row a translation frees from which gauge Gram matrix, or None when the gauge
     Gram matrices are the full ones: ``(0 = left or 1 = right, the bias row, the part of it
     that stays)``, float64 ``[..., G, k]`` (the part that stays is None when nothing does).
@@ -47,7 +47,7 @@ def _outer(b: torch.Tensor) -> torch.Tensor:
     return b.unsqueeze(-1) * b.unsqueeze(-2)
 
 
-def gauge_grams(w: AttentionWeights, side: str) -> tuple[torch.Tensor, torch.Tensor]:
+def gauge_grams(w: AttentionWeights, side: Side) -> tuple[torch.Tensor, torch.Tensor]:
     """(left, right) Gram matrices of the gauge block, float64 ``[..., G, k, k]``: `grams`
     with the freed bias rows left out."""
     grams_ = [g.double() for g in grams(w, side)]
@@ -58,7 +58,7 @@ def gauge_grams(w: AttentionWeights, side: str) -> tuple[torch.Tensor, torch.Ten
     return grams_[0], grams_[1]
 
 
-def gauge_eigh(w: AttentionWeights, side: str) -> tuple[torch.Tensor, ...]:
+def gauge_eigh(w: AttentionWeights, side: Side) -> tuple[torch.Tensor, ...]:
     """``(la, U, mu, V)``: eigenvalues (ascending, clamped at 0) and eigenvectors of the two
     gauge Gram matrices, float64, cached on ``w``.
 
@@ -76,7 +76,7 @@ def gauge_eigh(w: AttentionWeights, side: str) -> tuple[torch.Tensor, ...]:
     return memoised(w, ("gauge_eigh", side), compute)
 
 
-def smallest_eigenvalues(w: AttentionWeights, side: str) -> tuple[torch.Tensor, torch.Tensor]:
+def smallest_eigenvalues(w: AttentionWeights, side: Side) -> tuple[torch.Tensor, torch.Tensor]:
     """Smallest eigenvalue of each full Gram matrix of `grams`: two float64 ``[..., G]``.
 
     From `gauge_eigh` (which the projection at the same point reuses), with the freed bias
@@ -98,7 +98,7 @@ def smallest_eigenvalues(w: AttentionWeights, side: str) -> tuple[torch.Tensor, 
     return out[0], out[1]
 
 
-def _eigvalsh_min(w: AttentionWeights, side: str, which: int) -> torch.Tensor:
+def _eigvalsh_min(w: AttentionWeights, side: Side, which: int) -> torch.Tensor:
     """Smallest eigenvalue of one full Gram matrix by ``eigvalsh``, in the weights' precision."""
     G = grams(w, side)[which].to(_working_dtype(w))
     return torch.linalg.eigvalsh(G)[..., 0].double().clamp_min(0)  # a PSD Gram, like gauge_eigh

@@ -29,7 +29,7 @@ import torch
 
 from attnid.rope import project_commutant, project_tied
 from attnid.spec import AttentionSpec
-from attnid.weights import AttentionWeights, grams, group_sum_out, pass_mask
+from attnid.weights import SIDES, AttentionWeights, Side, grams, group_sum_out, pass_mask
 
 Gens = dict[str, torch.Tensor]
 
@@ -39,7 +39,7 @@ class TangentMap:
     """``T`` (generators -> weight directions) and ``T*`` at one point, for QK or VO."""
 
     w: AttentionWeights
-    side: str  # "qk" or "vo"
+    side: Side
     near: bool = False  # include QK-norm scale directions even when eps > 0
 
     @property
@@ -300,7 +300,7 @@ def squared_norm(t: torch.Tensor, dims: int) -> torch.Tensor:
     return torch.linalg.vector_norm(t.flatten(-dims) if dims > 1 else t, dim=-1).double() ** 2
 
 
-def side_names(spec: AttentionSpec, side: str) -> tuple[str, ...]:
+def side_names(spec: AttentionSpec, side: Side) -> tuple[str, ...]:
     """Parameter names that belong to one side."""
     names = ("W_Q", "W_K", "b_Q", "b_K", "g_Q", "g_K") if side == "qk" else ("W_V", "W_O", "b_V", "b_O")
     return tuple(n for n in names if n in spec.param_shapes())
@@ -315,7 +315,7 @@ def tangent_basis(w: AttentionWeights, *, near: bool = False, rtol: float = 1e-1
     if w.batch_shape:
         raise ValueError("tangent_basis takes one layer")
     cols = []
-    for side in ("qk", "vo"):
+    for side in SIDES:
         tmap = TangentMap(w, side, near)
         zero = tmap.zeros()
         for key, z in zero.items():

@@ -175,7 +175,7 @@ def same_point_drift(run_dir: Path, lrs: tuple[float, ...], *, batch_seed: int =
     out: dict[str, Any] = {"lr": list(lrs), "step_sq_qk": [lr**2 * g_qk_sq for lr in lrs]}
     naive0 = _naive_qk(w)
     for side in ("qk", "vo"):
-        d = [float(metrics(w, w - g.scale(lr))[f"drift_{side}"].max()) for lr in lrs]
+        d = [float(metrics(w, w - g.scale(lr)).side(side).drift.max()) for lr in lrs]
         out[f"drift_{side}"] = d
         out[f"slope_{side}"] = float(np.polyfit(np.log(lrs), np.log(d), 1)[0])
     naive = [float((_naive_qk(w - g.scale(lr)) - naive0).flatten(-2).norm(dim=-1).max()) for lr in lrs]

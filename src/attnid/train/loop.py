@@ -22,10 +22,13 @@ import torch
 import torch.distributed as dist
 
 from attnid.errors import AttnidError
-from attnid.monitor import Corrector, Monitor, parse_correction
+from attnid.monitor import Corrector, Monitor, StepMetrics, parse_correction
 from attnid.progress import Progress
+from attnid.stats import median
+from attnid.symmetry.conserved import flat_key
 from attnid.train.data import shakespeare
 from attnid.train.model import GPT, GPTConfig
+from attnid.weights import SIDES, Side
 
 PRESETS: dict[str, dict[str, Any]] = {
     # CPU-sized: the effects are visible in a few hundred steps on two cores
@@ -182,21 +185,21 @@ class _UpdateSizes:
     of the attention weights per step.
     """
 
-    SIDES: ClassVar[dict[str, tuple[str, ...]]] = {"qk": ("W_Q", "b_Q", "W_K", "b_K", "g_Q", "g_K"),
-                                                   "vo": ("W_V", "b_V", "W_O", "b_O")}
+    SIDES: ClassVar[dict[Side, tuple[str, ...]]] = {"qk": ("W_Q", "b_Q", "W_K", "b_K", "g_Q", "g_K"),
+                                                    "vo": ("W_V", "b_V", "W_O", "b_O")}
 
     def __init__(self, model: GPT) -> None:
         self.params = {side: [[p for n, p in b.attn.named_parameters() if n in names] for b in model.blocks]
                        for side, names in self.SIDES.items()}
-        self._before: dict[str, list[torch.Tensor]] = {}
+        self._before: dict[Side, list[torch.Tensor]] = {}
         self._reset()
 
     def _reset(self) -> None:
         n = len(self.params["qk"])
-        self.sums: dict[str, list[float]] = {"update_sq_qk": [0.0] * n, "update_sq_vo": [0.0] * n,
-                                             "update_norm_max": [0.0] * n}
+        self.sq: dict[Side, list[float]] = {side: [0.0] * n for side in SIDES}  # sum of ||Δw_side||^2
+        self.norm_max = [0.0] * n  # the largest single ||Δw||
 
-    def _flat(self) -> dict[str, list[torch.Tensor]]:
+    def _flat(self) -> dict[Side, list[torch.Tensor]]:
         return {side: [torch.cat([p.detach().reshape(-1) for p in ps]).double() for ps in layers]
                 for side, layers in self.params.items()}
 
@@ -207,40 +210,74 @@ class _UpdateSizes:
         now = self._flat()
         for i in range(len(self.params["qk"])):
             total = 0.0
-            for side in ("qk", "vo"):
+            for side in SIDES:
                 sq = float((now[side][i] - self._before[side][i]).square().sum())
-                self.sums[f"update_sq_{side}"][i] += sq
+                self.sq[side][i] += sq
                 total += sq
-            self.sums["update_norm_max"][i] = max(self.sums["update_norm_max"][i], math.sqrt(total))
+            self.norm_max[i] = max(self.norm_max[i], math.sqrt(total))
 
     def take(self) -> dict[str, list[float]]:
-        """The sums since the last record, then reset."""
-        out = self.sums
+        """The sums since the last record, under their JSONL names (``update_sq_qk``,
+        ``update_sq_vo``, ``update_norm_max``, per layer), then reset."""
+        out = {flat_key("update_sq", side): self.sq[side] for side in SIDES}
+        out["update_norm_max"] = self.norm_max
         self._reset()
         return out
 
 
-def _orbit_summary(records: list[dict[str, Any]]) -> dict[str, float]:
-    """Median rho (tangent share of the update) and first/last mean beta (norm of the conserved
-    quantity) over the logged records, for the end-of-run summary."""
-    out: dict[str, float] = {}
-    if not records:
+@dataclass(frozen=True)
+class OrbitSummary:
+    """One side over a run: the median tangent share rho of the logged updates (after the
+    first, unless it is the only one) and the mean beta (norm of the conserved quantity) over
+    heads at the first and the last logged step."""
+
+    median_rho: float
+    beta_first: float
+    beta_last: float
+
+    @classmethod
+    def of(cls, steps: list[StepMetrics], side: Side) -> OrbitSummary:
+        def mean_beta(step: StepMetrics) -> float:
+            betas = torch.cat([layer.metrics.side(side).beta.reshape(-1) for layer in step.layers])
+            return float(betas.mean())
+
+        rho = median([s.rho(side) for s in steps[1:] or steps])
+        return cls(rho, mean_beta(steps[0]), mean_beta(steps[-1]))
+
+    def flat(self, side: Side) -> dict[str, float]:
+        """``median_rho_qk, beta_qk_first, beta_qk_last`` (the names in ``summary.json``)."""
+        beta = flat_key("beta", side)
+        return {flat_key("median_rho", side): self.median_rho, f"{beta}_first": self.beta_first,
+                f"{beta}_last": self.beta_last}
+
+
+@dataclass(frozen=True)
+class TrainSummary:
+    """The end of a run (``OUT/summary.json`` is :meth:`to_dict`)."""
+
+    steps: int
+    final_loss: float
+    world_size: int
+    rank: int
+    seconds: float
+    orbit: dict[Side, OrbitSummary]  # per side; empty when no step was logged
+    checkpoint_bytes: int | None = None  # when OUT/checkpoint.pt exists
+    ranks_in_sync: bool | None = None  # under DDP: the ranks ended with equal weights
+    max_rank_diff: float | None = None  # under DDP
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"steps": self.steps, "final_loss": self.final_loss,
+                               "world_size": self.world_size, "rank": self.rank, "seconds": self.seconds}
+        for side, o in self.orbit.items():
+            out.update(o.flat(side))
+        for k in ("checkpoint_bytes", "ranks_in_sync", "max_rank_diff"):
+            if getattr(self, k) is not None:
+                out[k] = getattr(self, k)
         return out
-    for side in ("qk", "vo"):
-        rhos = sorted(float(v) for r in records[1:] or records for v in _flatten(r[f"rho_{side}"]))
-        out[f"median_rho_{side}"] = rhos[len(rhos) // 2]
-        for tag, rec in (("first", records[0]), ("last", records[-1])):
-            betas = _flatten(rec[f"beta_{side}"])
-            out[f"beta_{side}_{tag}"] = sum(betas) / len(betas)
-    return out
-
-
-def _flatten(v: Any) -> list[float]:
-    return [x for item in v for x in _flatten(item)] if isinstance(v, list) else [float(v)]
 
 
 def train(cfg: TrainConfig, out: Path, *, resume: bool = False, progress: bool | Progress = True,
-          checkpoint: bool = True) -> dict[str, Any]:
+          checkpoint: bool = True) -> TrainSummary:
     """Run one training; return the summary. ``KeyboardInterrupt`` leaves a valid log (and,
     with ``checkpoint``, a checkpoint to resume from).
 
@@ -256,7 +293,7 @@ def train(cfg: TrainConfig, out: Path, *, resume: bool = False, progress: bool |
     sizes = _UpdateSizes(run.model)
     eval_gen = torch.Generator().manual_seed(7)
     log = _open_log(run, out, resume)
-    records: list[dict[str, Any]] = []
+    logged: list[StepMetrics] = []
     shown = progress if isinstance(progress, Progress) else Progress(enabled=bool(progress))
     bar = shown.steps(cfg.steps, "train", run.start) if run.rank == 0 else Progress(enabled=False).steps(1)
     step, last_loss, t0 = run.start, float("nan"), time.perf_counter()
@@ -275,10 +312,11 @@ def train(cfg: TrainConfig, out: Path, *, resume: bool = False, progress: bool |
             if not math.isfinite(last_loss):
                 raise AttnidError(f"the loss diverged at step {step} (lr {cfg.lr} too large?)")
             if logging:
-                record: dict[str, Any] = {"step": step, "loss": last_loss, **monitor.last, **sizes.take()}
+                logged.append(monitor.last)
+                record: dict[str, Any] = {"step": step, "loss": last_loss, **monitor.last.to_dict(),
+                                          **sizes.take()}
                 if step % cfg.eval_every == 0 or step == cfg.steps:
                     record["val_loss"] = evaluate(run.model, cfg, eval_gen)
-                records.append(record)
                 if log is not None:
                     log.write(json.dumps(record) + "\n")
                     log.flush()
@@ -295,25 +333,25 @@ def train(cfg: TrainConfig, out: Path, *, resume: bool = False, progress: bool |
             log.close()
     if checkpoint:
         _save(run, out, cfg.steps)
-    return _finish(run, out, last_loss, time.perf_counter() - t0, _orbit_summary(records))
+    orbit = {side: OrbitSummary.of(logged, side) for side in SIDES} if logged else {}
+    return _finish(run, out, last_loss, time.perf_counter() - t0, orbit)
 
 
-def _finish(run: _Run, out: Path, last_loss: float, seconds: float, orbit: dict[str, float]
-            ) -> dict[str, Any]:
+def _finish(run: _Run, out: Path, last_loss: float, seconds: float, orbit: dict[Side, OrbitSummary]
+            ) -> TrainSummary:
     """The summary (written by rank 0); under DDP, checks that the ranks ended in sync."""
-    summary: dict[str, Any] = {"steps": run.cfg.steps, "final_loss": last_loss, "world_size": run.world,
-                               "rank": run.rank, "seconds": seconds, **orbit}
     ckpt = out / "checkpoint.pt"
-    if ckpt.exists():
-        summary["checkpoint_bytes"] = ckpt.stat().st_size
+    in_sync = rank_diff = None
     if run.world > 1:
         flat = torch.cat([p.detach().reshape(-1) for p in run.model.parameters()])
         allf = [torch.zeros_like(flat) for _ in range(run.world)]
         dist.all_gather(allf, flat)
-        summary["ranks_in_sync"] = all(torch.equal(allf[0], f) for f in allf)
-        summary["max_rank_diff"] = max(float((allf[0] - f).abs().max()) for f in allf)
+        in_sync = all(torch.equal(allf[0], f) for f in allf)
+        rank_diff = max(float((allf[0] - f).abs().max()) for f in allf)
+    summary = TrainSummary(run.cfg.steps, last_loss, run.world, run.rank, seconds, orbit,
+                           ckpt.stat().st_size if ckpt.exists() else None, in_sync, rank_diff)
     if run.rank == 0:
-        _atomic_write(out / "summary.json", json.dumps(summary, indent=2))
+        _atomic_write(out / "summary.json", json.dumps(summary.to_dict(), indent=2))
     if run.world > 1:
         dist.barrier()
         dist.destroy_process_group()
