@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import time
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -31,20 +34,21 @@ def test_real_minilm_is_unbalanced_and_untouched(minilm, tmp_path, capsys, diges
     assert (tmp_path / "heat.png").read_bytes()[:4] == b"\x89PNG"
     assert len(r["layers"]) == 6
     for row in r["layers"]:
-        for key in ("beta_qk", "beta_vo", "tau_qk", "tau_vo", "mu_qk", "mu_vo"):
+        for key in ("imbalance_qk", "imbalance_vo", "tau_qk", "tau_vo", "mu_qk", "mu_vo"):
             assert len(row[key]) == 12, key
-        assert all(0.0 <= b <= 1.0 for b in row["beta_qk"] + row["beta_vo"])
+        assert all(0.0 <= b <= 1.0 for b in row["imbalance_qk"] + row["imbalance_vo"])
         assert row["key_bias_invisible"] == pytest.approx([1.0] * 12)  # no RoPE: all of b_K
         assert row["removable_norm"] > 0
     # AdamW left the pretrained checkpoint far from balanced
-    assert r["summary"]["beta_qk_median"] > 0.05 and r["summary"]["beta_vo_median"] > 0.05, r["summary"]
+    s = r["summary"]
+    assert s["imbalance_qk_median"] > 0.05 and s["imbalance_vo_median"] > 0.05, s
 
 
 def test_canonical_minilm_reads_balanced(minilm_canonical, capsys):
     code, r, err = _audit(capsys, minilm_canonical)
     assert code == 0, err
     s = r["summary"]
-    assert s["beta_qk_max"] < 1e-5 and s["beta_vo_max"] < 1e-5, s
+    assert s["imbalance_qk_max"] < 1e-5 and s["imbalance_vo_max"] < 1e-5, s
     assert all(row["removable_share"] < 1e-4 for row in r["layers"])
     assert all(row["value_bias_foldable"] == 0.0 for row in r["layers"])
 
@@ -52,7 +56,7 @@ def test_canonical_minilm_reads_balanced(minilm_canonical, capsys):
 def test_table_output(minilm, capsys):
     assert main(["audit", str(minilm)]) == 0
     out = capsys.readouterr().out
-    assert "beta_qk median" in out and "removable" in out
+    assert "imbalance_qk median" in out and "removable" in out and "beta" not in out
 
 
 FAMILIES = {}
@@ -77,7 +81,7 @@ def test_every_canonicalizable_family(name, tmp_path, capsys, random_checkpoint)
     code, r, err = _audit(capsys, d)
     assert code == 0, err
     assert len(r["layers"]) == 2
-    assert all(0.0 <= b <= 1.0 + 1e-12 for row in r["layers"] for b in row["beta_vo"])
+    assert all(0.0 <= b <= 1.0 + 1e-12 for row in r["layers"] for b in row["imbalance_vo"])
 
 
 def _one_error(capsys, *args, message: str) -> None:
@@ -108,3 +112,87 @@ def test_nan_refused(minilm, tmp_path, capsys, variant):
 
     d = variant(minilm, tmp_path / "nan", other_fn=poison)
     _one_error(capsys, d, message="NaN")
+
+
+# the keys docs/cli.md lists for `audit --json`, exactly (no `beta_*`: beta is ||C||_F elsewhere)
+AUDIT_KEYS = ["model", "architecture", "dtype", "spec", "summary", "layers"]
+SUMMARY_KEYS = ["imbalance_qk_median", "imbalance_qk_max", "imbalance_vo_median", "imbalance_vo_max",
+                "removable_norm", "removable_share_mean"]
+LAYER_KEYS = ["layer", "imbalance_qk", "imbalance_vo", "tau_qk", "mu_qk", "tau_vo", "mu_vo",
+              "key_bias_invisible", "value_bias_foldable", "removable_norm", "removable_share"]
+
+
+def test_json_keys_are_exactly_the_documented_ones(minilm, capsys):
+    code, r, err = _audit(capsys, minilm)
+    assert code == 0, err
+    assert list(r) == AUDIT_KEYS and list(r["summary"]) == SUMMARY_KEYS
+    assert all(list(row) == LAYER_KEYS for row in r["layers"])
+    doc = (Path(__file__).parents[2] / "docs" / "cli.md").read_text()
+    line = next(ln for ln in doc.split("\n* ") if ln.startswith("`audit --json`"))
+    documented = set(re.findall(r"`(\w+)`", line))
+    assert documented == set(AUDIT_KEYS + SUMMARY_KEYS + LAYER_KEYS), documented
+
+
+def test_imbalance_is_beta_over_the_gram_scale():
+    from attnid import Attention, AttentionSpec, randomize_
+    from attnid.checkpoint.audit import audit_layer
+    from attnid.symmetry import AttentionWeights, grams, metrics
+
+    spec = AttentionSpec(d_model=12, n_heads=4, n_kv_heads=2, bias="qkvo")
+    w = AttentionWeights.from_module(randomize_(Attention(spec).double(), 3))
+    layer = audit_layer(w, 7)
+    core = w.replace(b_Q=torch.zeros_like(w.b_Q), b_K=torch.zeros_like(w.b_K), b_V=torch.zeros_like(w.b_V))
+    for side in ("qk", "vo"):
+        left, right = grams(core, side)
+        beta = metrics(core).side(side).beta
+        want = beta / (left.flatten(-2).norm(dim=-1) + right.flatten(-2).norm(dim=-1))
+        assert torch.allclose(layer.imbalance(side), want, rtol=1e-12, atol=0), side
+        assert bool((layer.imbalance(side) < beta).all())  # a different number from beta
+    d = layer.to_dict()
+    assert d["layer"] == 7 and d["imbalance_qk"] == layer.imbalance_qk.tolist()
+    assert d["tau_vo"] == layer.metrics.vo.tau.tolist() and "beta_qk" not in d
+
+
+def _cli_table(capsys, minilm) -> tuple[list[list[str]], str]:
+    assert main(["audit", str(minilm)]) == 0
+    out = capsys.readouterr().out
+    rows = [[c.strip() for c in ln.split("│")[1:-1]] for ln in out.splitlines() if ln.startswith("│")]
+    return rows, out
+
+
+def test_one_median_in_the_table_the_summary_line_the_json_and_the_report(minilm, capsys, monkeypatch):
+    """Layer 0 of the real MiniLM reads 0.280 (the mean of the two middle heads of 12), the
+    same in the CLI table, ``--json`` and the report's table; the summary line, the JSON
+    summary and the report's claim read the same median over all 72 heads."""
+    from attnid.checkpoint.audit import audit
+    from attnid.report.pretrained import Outcome, _claims, _markdown, audit_rows
+
+    monkeypatch.setenv("COLUMNS", "250")
+    rows, out = _cli_table(capsys, minilm)
+    code, r, err = _audit(capsys, minilm)
+    assert code == 0, err
+    rep = audit(minilm)
+    report_rows = audit_rows(rep)
+    assert len(rows) == len(report_rows) == len(r["layers"]) == 6
+    for cli, js, rr in zip(rows, r["layers"], report_rows, strict=True):
+        for side, col in (("qk", 1), ("vo", 2)):
+            heads = js[f"imbalance_{side}"]
+            want = float(np.median(heads))  # numpy's median: the arbiter of "the usual one"
+            assert len(heads) == 12 and rr[f"imbalance_{side}_median"] == pytest.approx(want, rel=1e-12)
+            assert cli[col] == f"{want:.3f}/{max(heads):.3f}", (cli, want)
+            assert rr[f"imbalance_{side}_max"] == pytest.approx(max(heads), rel=1e-12)
+    layer0 = sorted(r["layers"][0]["imbalance_qk"])
+    assert rows[0][1].startswith("0.280/") and f"{layer0[6]:.3f}" == "0.293"  # not the upper middle
+    every = {side: [x for js in r["layers"] for x in js[f"imbalance_{side}"]] for side in ("qk", "vo")}
+    s = r["summary"]
+    for side in ("qk", "vo"):
+        want = float(np.median(every[side]))
+        assert s[f"imbalance_{side}_median"] == pytest.approx(want, rel=1e-12)
+        assert getattr(rep.summary, f"imbalance_{side}_median") == pytest.approx(want, rel=1e-12)
+        assert f"imbalance_{side} median {want:.3f} max {max(every[side]):.3f}" in out, out
+    # the report's text and its first claim quote the same medians
+    o = Outcome("AdamW", 1, 0.0, {"qk": 0.1, "vo": 0.1}, {"qk": 0.1, "vo": 0.1}, 1.0, 0.5, 0.5, 0.5, 1.0)
+    text, evidence = _markdown(rep, [o], 0.5, 1, 1, 2), _claims(rep, o, o, o, 0.5)[0]["evidence"]
+    for side in ("qk", "vo"):
+        quoted = f"imbalance_{side} median {float(np.median(every[side])):.3f}"
+        assert quoted in text and quoted in evidence, (quoted, text, evidence)

@@ -2,9 +2,11 @@
 
 For each layer and key/value group (computed in float64 on the stored weights):
 
-* ``beta_qk``, ``beta_vo``: the conserved quantity ``C = G_left - G_right`` (weights only;
-  under RoPE its commutant part) over the Gram scale ``||G_left|| + ||G_right||``. A balanced
-  checkpoint reads 0; the most unbalanced one possible reads 1.
+* ``imbalance_qk``, ``imbalance_vo``: the conserved quantity ``C = G_left - G_right``
+  (weights only; under RoPE its commutant part) over the Gram scale ``||G_left|| +
+  ||G_right||``, in [0, 1]: a balanced checkpoint reads 0, the most unbalanced one possible
+  reads 1. (``beta = ||C||_F`` itself, the number training and the Monitor report, has units:
+  the imbalance is beta divided by that scale.)
 * ``tau_*``, ``mu_*``: ``trace C`` and ``lambda_min(G_left) + lambda_min(G_right)`` (raw units).
 * ``key_bias_invisible``: the share ``||b_K on pass-through dims|| / ||b_K||`` that softmax
   cannot see (all of it without RoPE).
@@ -13,18 +15,24 @@ For each layer and key/value group (computed in float64 on the stored weights):
 * ``removable_norm``: ``||w - rebalance(w)||`` over the four weight matrices, the weight
   norm that moving to the nearest balanced point would remove (and ``removable_share``,
   the same over ``||w||``).
+
+Medians over heads are `attnid.stats.median` everywhere (the CLI table, its summary line,
+``--json`` and the report): for an even count, the mean of the two middle values.
 """
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from attnid.checkpoint.load import Checkpoint, open_checkpoint
-from attnid.symmetry.conserved import metrics
+from attnid.stats import median
+from attnid.symmetry.conserved import Metrics, flat_key, metrics
 from attnid.symmetry.rebalance import rebalance_qk, rebalance_vo
-from attnid.weights import AttentionWeights, grams, group_sum_out
+from attnid.weights import SIDES, AttentionWeights, Side, grams, group_sum_out
 
 WEIGHTS = ("W_Q", "W_K", "W_V", "W_O")
 
@@ -35,85 +43,144 @@ def weights_only(w: AttentionWeights) -> AttentionWeights:
     return w.replace(**zero)
 
 
-def normalised_beta(w: AttentionWeights) -> dict[str, torch.Tensor]:
-    """``beta / (||G_left|| + ||G_right||)`` per group, both sides: ``[..., G]`` (QK-norm: ``[...]``)."""
-    m = metrics(w)
-    out = {}
-    for side in ("qk", "vo"):
-        if side == "qk" and w.spec.qk_norm != "none":
-            scale = (w.g_Q**2).norm(dim=-1) + (w.g_K**2).norm(dim=-1)
-        else:
-            left, right = grams(w, side)
-            scale = left.flatten(-2).norm(dim=-1) + right.flatten(-2).norm(dim=-1)
-        out[f"beta_{side}"] = m[f"beta_{side}"] / scale.clamp_min(1e-300)
-    return out
+def imbalance(w: AttentionWeights, m: Metrics, side: Side) -> torch.Tensor:
+    """``beta / (||G_left|| + ||G_right||)`` per group, in [0, 1]: ``[..., G]`` (QK-norm QK side:
+    ``[...]``). ``m``: ``metrics(w)``."""
+    if side == "qk" and w.spec.qk_norm != "none":
+        scale = (w.g_Q**2).norm(dim=-1) + (w.g_K**2).norm(dim=-1)
+    else:
+        left, right = grams(w, side)
+        scale = left.flatten(-2).norm(dim=-1) + right.flatten(-2).norm(dim=-1)
+    return m.side(side).beta / scale.clamp_min(1e-300)
 
 
-def audit_layer(w: AttentionWeights) -> dict[str, Any]:
+@dataclass(frozen=True)
+class LayerAudit:
+    """The audit of one layer, float64; per key/value group ``[G]`` (QK-norm's QK side:
+    one value, ``[]``)."""
+
+    layer: int
+    imbalance_qk: torch.Tensor  # [G]: ||C_QK|| over the Gram scale, in [0, 1]
+    imbalance_vo: torch.Tensor  # [G]
+    metrics: Metrics  # of the weights only (biases zeroed): beta, tau, mu per side
+    key_bias_invisible: torch.Tensor | None  # [G]: share of ||b_K|| softmax cannot see
+    value_bias_foldable: float | None  # ||what folding b_V would move into b_O||
+    removable_norm: float  # ||w - rebalance(w)|| over the weight matrices
+    removable_share: float  # the same over ||w||
+
+    def imbalance(self, side: Side) -> torch.Tensor:
+        return self.imbalance_qk if side == "qk" else self.imbalance_vo
+
+    def to_dict(self) -> dict[str, Any]:
+        """One object of ``audit --json``'s ``layers`` (lists over key/value groups)."""
+        kbi = self.key_bias_invisible
+        return {"layer": self.layer, "imbalance_qk": self.imbalance_qk.tolist(),
+                "imbalance_vo": self.imbalance_vo.tolist(),
+                **{k: v.tolist() for k, v in self.metrics.flat(("tau", "mu")).items()},
+                "key_bias_invisible": None if kbi is None else kbi.tolist(),
+                "value_bias_foldable": self.value_bias_foldable, "removable_norm": self.removable_norm,
+                "removable_share": self.removable_share}
+
+    def row(self) -> dict[str, Any]:
+        """The layer's line of every audit table (the CLI's and the report's): medians and
+        maxima over its heads."""
+        out: dict[str, Any] = {"layer": self.layer}
+        for side in SIDES:
+            x = self.imbalance(side)
+            out[flat_key("imbalance", side) + "_median"] = median(x)
+            out[flat_key("imbalance", side) + "_max"] = float(x.max())
+        for side in SIDES:
+            out[flat_key("tau", side) + "_median"] = median(self.metrics.side(side).tau)
+        kbi = self.key_bias_invisible
+        out["key_bias_invisible_median"] = None if kbi is None else median(kbi)
+        return {**out, "value_bias_foldable": self.value_bias_foldable,
+                "removable_norm": self.removable_norm, "removable_share": self.removable_share}
+
+
+@dataclass(frozen=True)
+class AuditSummary:
+    """Over every head of every layer."""
+
+    imbalance_qk_median: float
+    imbalance_qk_max: float
+    imbalance_vo_median: float
+    imbalance_vo_max: float
+    removable_norm: float  # sqrt of the sum over layers of removable_norm^2
+    removable_share_mean: float  # the mean over layers
+
+
+@dataclass(frozen=True)
+class Audit:
+    """The audit of a checkpoint (``audit --json`` is :meth:`to_dict`)."""
+
+    model: str
+    architecture: str
+    dtype: str
+    spec: str
+    layers: tuple[LayerAudit, ...]
+
+    def imbalance(self, side: Side) -> torch.Tensor:
+        """Every head's imbalance on one side, all layers: ``[sum of G]``."""
+        return torch.cat([layer.imbalance(side).reshape(-1) for layer in self.layers])
+
+    @property
+    def summary(self) -> AuditSummary:
+        qk, vo = self.imbalance("qk"), self.imbalance("vo")
+        return AuditSummary(median(qk), float(qk.max()), median(vo), float(vo.max()),
+                            sum(r.removable_norm**2 for r in self.layers) ** 0.5,
+                            sum(r.removable_share for r in self.layers) / len(self.layers))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "architecture": self.architecture, "dtype": self.dtype,
+                "spec": self.spec, "summary": asdict(self.summary),
+                "layers": [layer.to_dict() for layer in self.layers]}
+
+
+def audit_layer(w: AttentionWeights, layer: int = 0) -> LayerAudit:
     """The audit of one layer (float64 container)."""
     s = w.spec
     core = weights_only(w)
     m = metrics(core)
-    row: dict[str, Any] = {}
-    row.update({k: v.tolist() for k, v in normalised_beta(core).items()})
-    for k in ("tau_qk", "tau_vo", "mu_qk", "mu_vo"):
-        row[k] = m[k].tolist()
+    kbi = None
     if w.b_K is not None:
         total = w.b_K.norm(dim=-1)
         hidden = w.b_K[..., s.rope_dims:].norm(dim=-1) if s.qk_norm == "none" else torch.zeros_like(total)
-        row["key_bias_invisible"] = (hidden / total.clamp_min(1e-300)).tolist()
-    else:
-        row["key_bias_invisible"] = None
+        kbi = hidden / total.clamp_min(1e-300)
+    foldable = None
     if w.b_V is not None:
-        moved = torch.einsum("gv,gvd->d", w.b_V, group_sum_out(w))
-        row["value_bias_foldable"] = float(moved.norm())
-    else:
-        row["value_bias_foldable"] = None
+        foldable = float(torch.einsum("gv,gvd->d", w.b_V, group_sum_out(w)).norm())
     bal = rebalance_vo(rebalance_qk(core, group="auto", align=True, bias_rows=False),
                        align=True, fold=False, bias_rows=False)
     removed = sum(float(((bal[n] - w[n]) ** 2).sum()) for n in WEIGHTS) ** 0.5
     size = sum(float((w[n] ** 2).sum()) for n in WEIGHTS) ** 0.5
-    row["removable_norm"] = removed
-    row["removable_share"] = removed / max(size, 1e-300)
-    return row
+    return LayerAudit(layer, imbalance(core, m, "qk"), imbalance(core, m, "vo"), m, kbi, foldable,
+                      removed, removed / max(size, 1e-300))
 
 
-def audit(model: str | Any) -> dict[str, Any]:
+def audit(model: str | Path | Checkpoint) -> Audit:
     """The audit of a checkpoint (path or opened `Checkpoint`); never writes anything."""
     ck = model if isinstance(model, Checkpoint) else open_checkpoint(model)
-    layers = [dict(layer=i, **audit_layer(w)) for i, w in enumerate(ck.layers())]
-    flat = {side: torch.tensor([b for r in layers for b in _as_list(r[f"beta_{side}"])])
-            for side in ("qk", "vo")}
-    summary = {}
-    for side, t in flat.items():
-        summary[f"beta_{side}_median"] = float(t.median())
-        summary[f"beta_{side}_max"] = float(t.max())
-    summary["removable_norm"] = sum(r["removable_norm"] ** 2 for r in layers) ** 0.5
-    summary["removable_share_mean"] = sum(r["removable_share"] for r in layers) / len(layers)
-    return {"model": str(ck.path), "architecture": ck.adapter.family, "dtype": str(ck.dtype()).split(".")[-1],
-            "spec": ck.specs[0].describe(), "summary": summary, "layers": layers}
+    layers = tuple(audit_layer(w, i) for i, w in enumerate(ck.layers()))
+    dtype = str(ck.dtype()).split(".")[-1]
+    return Audit(str(ck.path), ck.adapter.family, dtype, ck.specs[0].describe(), layers)
 
 
-def _as_list(x: Any) -> list[float]:
-    return x if isinstance(x, list) else [x]
-
-
-def heat_map(report: dict[str, Any], path: str) -> None:
-    """PNG: normalised beta_qk and beta_vo, layers x key/value groups."""
+def heat_map(report: Audit, path: str | Path) -> None:
+    """PNG: imbalance_qk and imbalance_vo, layers x key/value groups."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 0.4 * len(report["layers"]) + 2), squeeze=False)
-    for ax, side in zip(axes[0], ("qk", "vo"), strict=True):
-        grid = [_as_list(r[f"beta_{side}"]) for r in report["layers"]]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 0.4 * len(report.layers) + 2), squeeze=False)
+    for ax, side in zip(axes[0], SIDES, strict=True):
+        grid = [layer.imbalance(side).reshape(-1).tolist() for layer in report.layers]
         im = ax.imshow(grid, aspect="auto", cmap="magma", vmin=0.0, vmax=max(1e-12, max(map(max, grid))))
-        ax.set_title(f"normalised beta_{side}")
+        ax.set_title(f"imbalance_{side} (0 = balanced, 1 = most unbalanced)", fontsize=9)
         ax.set_xlabel("key/value group (head)")
         ax.set_ylabel("layer")
         fig.colorbar(im, ax=ax)
-    fig.suptitle(f"attnid audit: {report['model']}", fontsize=9)
+    fig.suptitle(f"attnid audit: {report.model}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

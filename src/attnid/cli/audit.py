@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from attnid.cli.app import Json, app, console, emit_json
+
+if TYPE_CHECKING:
+    from attnid.checkpoint.audit import Audit
 
 
 @app.command("audit")
@@ -17,8 +20,8 @@ def audit_cmd(
 ) -> None:
     """How far a checkpoint sits from its balanced point, per layer and head (never modifies it).
 
-    beta_* are normalised (0 = balanced, at most 1); removable_norm is the weight norm that
-    rebalancing would remove.
+    imbalance_* is ||C|| over the Gram scale (0 = balanced, at most 1); med is the median over
+    the layer's heads; removable_norm is the weight norm that rebalancing would remove.
     """
     from pathlib import Path
 
@@ -33,37 +36,33 @@ def audit_cmd(
     if plot:
         heat_map(report, plot)
     if json_out:
-        emit_json(report)
+        emit_json(report.to_dict())
         return
     _print(report)
 
 
-def _print(report: dict) -> None:
+def _print(report: Audit) -> None:
     from rich.table import Table
 
-    table = Table(title=f"{report['model']}  ({report['architecture']}, {report['spec']}, {report['dtype']})")
-    for col in ("layer", "beta_qk med/max", "beta_vo med/max", "tau_qk med", "tau_vo med",
+    table = Table(title=f"{report.model}  ({report.architecture}, {report.spec}, {report.dtype})")
+    for col in ("layer", "imbalance_qk med/max", "imbalance_vo med/max", "tau_qk med", "tau_vo med",
                 "key bias invisible", "b_V foldable", "removable norm", "removable share"):
         table.add_column(col, justify="right")
-    for r in report["layers"]:
-        table.add_row(str(r["layer"]), _mm(r["beta_qk"]), _mm(r["beta_vo"]), f"{_med(r['tau_qk']):.3g}",
-                      f"{_med(r['tau_vo']):.3g}",
-                      "-" if r["key_bias_invisible"] is None else f"{_med(r['key_bias_invisible']):.2f}",
-                      "-" if r["value_bias_foldable"] is None else f"{r['value_bias_foldable']:.3g}",
+    for layer in report.layers:
+        r = layer.row()
+        table.add_row(str(r["layer"]), f"{r['imbalance_qk_median']:.3f}/{r['imbalance_qk_max']:.3f}",
+                      f"{r['imbalance_vo_median']:.3f}/{r['imbalance_vo_max']:.3f}",
+                      f"{r['tau_qk_median']:.3g}", f"{r['tau_vo_median']:.3g}",
+                      _or_dash(r["key_bias_invisible_median"], ".2f"),
+                      _or_dash(r["value_bias_foldable"], ".3g"),
                       f"{r['removable_norm']:.3g}", f"{r['removable_share']:.3f}")
     out = console()
     out.print(table)
-    s = report["summary"]
-    out.print(f"beta_qk median {s['beta_qk_median']:.3f} max {s['beta_qk_max']:.3f}   "
-              f"beta_vo median {s['beta_vo_median']:.3f} max {s['beta_vo_max']:.3f}   "
-              f"removable norm {s['removable_norm']:.3g}")
+    s = report.summary
+    out.print(f"imbalance_qk median {s.imbalance_qk_median:.3f} max {s.imbalance_qk_max:.3f}   "
+              f"imbalance_vo median {s.imbalance_vo_median:.3f} max {s.imbalance_vo_max:.3f}   "
+              f"removable norm {s.removable_norm:.3g}")
 
 
-def _med(x) -> float:
-    xs = sorted(x if isinstance(x, list) else [x])
-    return xs[len(xs) // 2]
-
-
-def _mm(x) -> str:
-    xs = x if isinstance(x, list) else [x]
-    return f"{_med(xs):.3f}/{max(xs):.3f}"
+def _or_dash(x: float | None, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)

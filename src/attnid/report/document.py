@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from attnid.progress import Progress
+
 FAILS = "**FAILS**"
 
 
@@ -60,6 +62,21 @@ class Section:
     tables: tuple[Table, ...] = ()
     figures: tuple[Figure, ...] = ()
     claims: tuple[Claim, ...] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a section gets (`attnid.report.reproduce`): where to write, how big to run, where
+    to report progress."""
+
+    out: Path  # the report's folder
+    quick: bool  # small sizes (``reproduce --quick``)
+    progress: Progress
+
+    @property
+    def figures(self) -> Path:
+        """Where a section writes its PNGs."""
+        return self.out / "figures"
 
 
 def cell(v: Any) -> str:

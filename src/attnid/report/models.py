@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from attnid.adapters.base import Adapter
 from attnid.adapters.config import bundled, load_config
 from attnid.adapters.registry import adapter_for
+from attnid.spec import AttentionSpec
 from attnid.theory import count
 
 
@@ -50,7 +52,7 @@ def _layers(per_layer: list[dict[str, Any]]) -> dict[str, Any]:
     return {"layers": per_layer, "layers_identical": same}
 
 
-def _numeric_report(name: str, config: dict[str, Any], adapter: Any, with_params: bool
+def _numeric_report(name: str, config: dict[str, Any], adapter: Adapter, with_params: bool
                     ) -> dict[str, Any]:
     """Families without a closed form: full-size parameter counts, and the arbiter's count of
     one layer at a reduced config of Hugging Face's own class."""
@@ -90,7 +92,7 @@ def model_report(model: str, *, with_params: bool = True) -> dict[str, Any]:
     unid = sum(c.unidentified for c in layers)
     near = sum(c.near_unidentified for c in layers)
     first = specs[0]
-    def qk_null(spec) -> int:
+    def qk_null(spec: AttentionSpec) -> int:
         return count(spec).components["qk_gauge"].unidentified
 
     qk = qk_null(first)

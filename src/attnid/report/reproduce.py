@@ -26,7 +26,6 @@ import json
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,26 +36,22 @@ from attnid.arbiter.compare import verify
 from attnid.arbiter.rank import randomize_
 from attnid.attention import Attention
 from attnid.progress import Progress
-from attnid.report.document import Claim, Figure, Section, Table, render_html, render_markdown, write_table
+from attnid.report.document import (
+    Claim,
+    Context,
+    Figure,
+    Section,
+    Table,
+    render_html,
+    render_markdown,
+    write_table,
+)
 from attnid.report.pretrained import pretrained_section
 from attnid.report.training import training_section
 from attnid.report.whole import whole_model_section
 from attnid.spec import AttentionSpec
 from attnid.theory import count
 from attnid.train.experiment import run_experiment
-
-
-@dataclass(frozen=True)
-class Context:
-    """What a section gets: where to write, how big to run, where to report progress."""
-
-    out: Path
-    quick: bool
-    progress: Progress
-
-    @property
-    def figures(self) -> Path:
-        return self.out / "figures"
 
 
 def _claim(claim: str, holds: bool, evidence: str, section: str) -> Claim:

@@ -3,11 +3,9 @@ closed form checked by the whole-model arbiter on every closed-form family's red
 
 from __future__ import annotations
 
-from typing import Any
-
 from attnid.adapters.config import bundled, load_config
 from attnid.adapters.registry import adapter_for
-from attnid.report.document import Claim, Section, Table
+from attnid.report.document import Claim, Context, Section, Table
 
 QUICK = ("gpt2", "Llama-2-7b", "Qwen3-8B")  # LayerNorm + positions; RMSNorm; QK-norm
 
@@ -23,8 +21,8 @@ COUNT_COLUMNS = {"model": "model", "params": "parameters", "unidentified": "unid
                  "near_unidentified": "near-unidentified", "identified_share": "identified share"}
 
 
-def whole_model_section(ctx: Any) -> Section:
-    """The section for `attnid reproduce` (``ctx``: its Context; ``ctx.quick`` checks 3 families)."""
+def whole_model_section(ctx: Context) -> Section:
+    """The section for `attnid reproduce` (``ctx.quick`` checks 3 families)."""
     ctx.progress.stage("whole-model counts and their arbiter checks")
     return run_section(ctx.quick)
 
