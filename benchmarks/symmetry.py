@@ -71,10 +71,7 @@ def loop_rebalance(w: AttentionWeights) -> list[torch.Tensor]:
 
 def batched_metrics(w0: AttentionWeights, w1: AttentionWeights) -> dict[str, torch.Tensor]:
     d = w1 - w0
-    m = metrics(w0, w1)
-    m["rho_qk"] = project(w0, d, "qk").rho
-    m["rho_vo"] = project(w0, d, "vo").rho
-    return m
+    return {**metrics(w0, w1).flat(), "rho_qk": project(w0, d, "qk").rho, "rho_vo": project(w0, d, "vo").rho}
 
 
 def best_of(fn, n: int = 3) -> float:

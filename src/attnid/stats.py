@@ -37,3 +37,8 @@ def median(values: Any) -> float:
     if not xs:
         raise ValueError("the median of no numbers")
     return float(statistics.median(xs))
+
+
+def medians(rows: Any) -> list[float]:
+    """:func:`median` of each row (e.g. per step over heads: ``[S, H] -> [S]``)."""
+    return [median(r) for r in rows]

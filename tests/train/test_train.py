@@ -131,10 +131,20 @@ def test_experiment_smoke_writes_every_figure_and_claim(tmp_path):
     assert len(section.tables[0].rows) == 17 and len(section.claims) >= 25
     for prefix in ("", "rope_", "gqa_"):  # one float64 step: second order in lr for every variant
         sp = data.same_point[prefix]
-        assert abs(sp["slope_qk"] - 2) < 0.05 and abs(sp["slope_vo"] - 2) < 0.05, (prefix, sp)
+        assert abs(sp.slope["qk"] - 2) < 0.05 and abs(sp.slope["vo"] - 2) < 0.05, (prefix, sp)
     for prefix in ("rope_", "gqa_"):  # the quantity that ignores RoPE/GQA drifts at first order
-        assert data.same_point[prefix]["slope_qk_naive"] < 1.3, data.same_point[prefix]
+        assert data.same_point[prefix].slope_qk_naive < 1.3, data.same_point[prefix]
     assert not (tmp_path / "exp" / "runs" / "sgd" / "checkpoint.pt").exists()
+    # the files keep their names: same_point_drift.json, and metrics.jsonl read back as typed arrays
+    saved = json.loads((tmp_path / "exp" / "same_point_drift.json").read_text())
+    assert list(saved[""]) == ["lr", "step_sq_qk", "drift_qk", "slope_qk", "drift_vo", "slope_vo",
+                               "drift_qk_naive", "slope_qk_naive"]
+    assert saved["rope_"]["slope_vo"] == data.same_point["rope_"].slope["vo"]
+    run, recs = data.runs["gqa_adamw"], _records(tmp_path / "exp" / "runs" / "gqa_adamw")
+    assert run.qk.beta.shape == (len(recs), 2 * 2)  # 2 layers x 2 key/value groups
+    assert run.vo.update_sq.shape == (len(recs), 2)
+    assert run.vo.drift[-1].tolist() == [x for row in recs[-1]["drift_vo"] for x in row]
+    assert run.grad_norm_bq.shape == (len(recs), 2 * 4) and run.update_norm_max.shape == (len(recs), 2)
 
 
 def test_matplotlib_backend_is_not_changed_by_the_report_modules():
@@ -191,9 +201,9 @@ def test_one_sgd_step_moves_c_only_at_second_order(tmp_path, variant):
     train(cfg, tmp_path / "r", progress=False)
     lrs = (1e-3, 1e-2, 1e-1)
     sp = same_point_drift(tmp_path / "r", lrs)
-    for lr, d, bound in zip(lrs, sp["drift_qk"], sp["step_sq_qk"], strict=True):
+    for lr, d, bound in zip(lrs, sp.drift["qk"], sp.step_sq_qk, strict=True):
         assert d <= bound, f"lr {lr}: drift {d:.3e} above ||lr g_QK||^2 = {bound:.3e}"
-    assert abs(sp["slope_qk"] - 2) < 0.02 and abs(sp["slope_vo"] - 2) < 0.02, sp
+    assert abs(sp.slope["qk"] - 2) < 0.02 and abs(sp.slope["vo"] - 2) < 0.02, sp
     if variant:
-        assert abs(sp["slope_qk_naive"] - 1) < 0.2, sp["slope_qk_naive"]
-        assert sp["drift_qk_naive"][0] > 10 * sp["step_sq_qk"][0], sp
+        assert abs(sp.slope_qk_naive - 1) < 0.2, sp.slope_qk_naive
+        assert sp.drift_qk_naive[0] > 10 * sp.step_sq_qk[0], sp

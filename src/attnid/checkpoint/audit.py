@@ -176,7 +176,7 @@ def heat_map(report: Audit, path: str | Path) -> None:
     for ax, side in zip(axes[0], SIDES, strict=True):
         grid = [layer.imbalance(side).reshape(-1).tolist() for layer in report.layers]
         im = ax.imshow(grid, aspect="auto", cmap="magma", vmin=0.0, vmax=max(1e-12, max(map(max, grid))))
-        ax.set_title(f"imbalance_{side} (0 = balanced, 1 = most unbalanced)", fontsize=9)
+        ax.set_title(f"{flat_key('imbalance', side)} (0 = balanced, 1 = most unbalanced)", fontsize=9)
         ax.set_xlabel("key/value group (head)")
         ax.set_ylabel("layer")
         fig.colorbar(im, ax=ax)

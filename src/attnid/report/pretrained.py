@@ -284,7 +284,7 @@ def _figures(runs: dict[str, FineTune], rep: Audit, where: Path) -> list[Figure]
     for ax, side in zip(hax, SIDES, strict=True):
         im = ax.imshow([layer.imbalance(side).reshape(-1).tolist() for layer in rep.layers], aspect="auto",
                        cmap="magma", vmin=0)
-        ax.set_title(f"imbalance_{side}")
+        ax.set_title(flat_key("imbalance", side))
         ax.set_xlabel("head")
         ax.set_ylabel("layer")
         heat.colorbar(im, ax=ax)

@@ -16,8 +16,11 @@ from matplotlib.figure import Figure as MplFigure
 from matplotlib.ticker import FixedLocator, NullFormatter, NullLocator
 
 from attnid.report.document import Claim, Figure, Section, Table
+from attnid.stats import median, medians
+from attnid.symmetry.conserved import flat_key
 from attnid.theory import count
-from attnid.train.experiment import PAPER_CASES, SWEEP_LRS, VARIANTS, ExperimentData, title
+from attnid.train.experiment import PAPER_CASES, SWEEP_LRS, VARIANTS, ExperimentData, RunData, title
+from attnid.weights import SIDES, Side
 
 SECTION = "Training"
 BAND = "shaded: min to max over all heads and layers"
@@ -30,32 +33,32 @@ def _save(fig: MplFigure, path: Path) -> Path:
 
 # ---- figures ----------------------------------------------------------------------------------
 RHO_FLOOR = 1e-14  # rho is drawn on a log axis; exact zeros sit on this floor
-def fig2(data: ExperimentData, cases: list[str], side: str, path: Path, heading: str) -> Path:
+def fig2(data: ExperimentData, cases: list[str], side: Side, path: Path, heading: str) -> Path:
     """Rows: cases. Columns: loss, update norm, rho, beta, tau, mu (per head: median or mean
     line, min-max band)."""
-    cols = ["loss", "update norm ||Δw||", f"rho_{side} (tangent share)", f"beta_{side} = ||C||_F",
-            f"tau_{side} = trace C", f"mu_{side}"]
+    cols = ["loss", "update norm ||Δw||", f"{flat_key('rho', side)} (tangent share)",
+            f"{flat_key('beta', side)} = ||C||_F", f"{flat_key('tau', side)} = trace C", flat_key("mu", side)]
     fig = MplFigure(figsize=(19, 2.7 * len(cases) + 0.8))
     axes = fig.subplots(len(cases), len(cols), squeeze=False)
     for row, case in zip(axes, cases, strict=True):
         r = data.runs[case]
-        s = r["step"]
-        row[0].plot(s, r["loss"], lw=1, label="train")
-        if r["val_loss"].size:
-            row[0].plot(r["val_step"], r["val_loss"], "o-", ms=3, label="val")
+        s = r.step
+        row[0].plot(s, r.loss, lw=1, label="train")
+        if r.val_loss.size:
+            row[0].plot(r.val_step, r.val_loss, "o-", ms=3, label="val")
         row[0].legend(fontsize=7)
         row[0].set_ylabel(title(case), fontsize=9)
-        row[1].plot(s, r["update_norm"], color="tab:red", lw=0.8)
-        row[1].set_ylim(0, 1.05 * float(np.max(r["update_norm"])))
-        rho = np.maximum(r[f"rho_{side}"], RHO_FLOOR)  # log axis: SGD's numerical zero stays visible
+        row[1].plot(s, r.update_norm, color="tab:red", lw=0.8)
+        row[1].set_ylim(0, 1.05 * float(np.max(r.update_norm)))
+        rho = np.maximum(r.side(side).rho, RHO_FLOOR)  # log axis: SGD's numerical zero stays visible
         row[2].fill_between(s, rho.min(1), rho.max(1), alpha=0.25, color="tab:blue", lw=0)
-        row[2].plot(s, np.median(rho, 1), lw=1.2, color="tab:blue", label="median")
+        row[2].plot(s, medians(rho), lw=1.2, color="tab:blue", label="median")
         row[2].axhline(1 / (2 * data.n_heads), color="k", ls="--", lw=0.8, label="1/(2H)")
         row[2].set_yscale("log")
         row[2].set_ylim(RHO_FLOOR, 2.0)  # a share: rebalancing steps show as 1 (the move is all orbit)
         row[2].legend(fontsize=6, loc="lower right")
         for ax, name in zip(row[3:], ("beta", "tau", "mu"), strict=True):
-            v = r[f"{name}_{side}"]
+            v = getattr(r.side(side), name)
             ax.fill_between(s, v.min(1), v.max(1), alpha=0.25, lw=0)
             ax.plot(s, v.mean(1), lw=1.2)
     for ax, name in zip(axes[0], cols, strict=True):
@@ -73,9 +76,9 @@ def fig3(data: ExperimentData, cases: list[str], path: Path) -> Path:
     for row, case in zip(axes, cases, strict=True):
         r = data.runs[case]
         for ax, key, name in zip(row, ("grad_norm_bq", "grad_norm_bk"), ("b_Q", "b_K"), strict=True):
-            v = np.abs(r[key]) + 1e-30
-            for stat, fn in (("min", np.min), ("median", np.median), ("max", np.max)):
-                ax.plot(r["step"], fn(v, 1), lw=1, label=f"{stat} over heads")
+            v = np.abs(getattr(r, key)) + 1e-30  # [S, H]
+            for stat, line in (("min", v.min(1)), ("median", medians(v)), ("max", v.max(1))):
+                ax.plot(r.step, line, lw=1, label=f"{stat} over heads")
             ax.set_yscale("log")
             ax.yaxis.set_minor_formatter(NullFormatter())
             ax.set_title(f"{title(case)}: gradient of {name}", fontsize=9)
@@ -87,13 +90,13 @@ def fig3(data: ExperimentData, cases: list[str], path: Path) -> Path:
     return _save(fig, path)
 
 
-def drift_fit(data: ExperimentData, sweep: list[str], side: str, *, first: bool = False
+def drift_fit(data: ExperimentData, sweep: list[str], side: Side, *, first: bool = False
               ) -> tuple[np.ndarray, np.ndarray, float]:
     """Log-log fit of drift against lr: over the whole run, or at step 1 (``first``), where
     every run of the sweep starts from the same weights and batch."""
     lrs = np.array([float(c.removeprefix("sweep_lr")) for c in sweep])
     pick = (lambda d: d[0].mean()) if first else (lambda d: d[1:].mean())
-    drift = np.array([pick(data.runs[c][f"drift_{side}"]) for c in sweep])
+    drift = np.array([pick(data.runs[c].side(side).drift) for c in sweep])
     slope = float(np.polyfit(np.log(lrs), np.log(drift), 1)[0])
     return lrs, drift, slope
 
@@ -108,14 +111,14 @@ def _lr_axis(ax, lrs) -> None:
     ax.set_xlabel("learning rate")
 
 
-def fig4(data: ExperimentData, sweep: list[str], side: str, path: Path) -> float:
+def fig4(data: ExperimentData, sweep: list[str], side: Side, path: Path) -> float:
     fig = MplFigure(figsize=(11, 4.6))
     a, b = fig.subplots(1, 2)
     for c in sweep:
-        a.plot(data.runs[c]["step"], data.runs[c][f"drift_{side}"].mean(1), lw=1, label=title(c))
+        a.plot(data.runs[c].step, data.runs[c].side(side).drift.mean(1), lw=1, label=title(c))
     a.set_yscale("log")
     a.set_xlabel("step")
-    a.set_ylabel(f"drift_{side} of one step (mean over heads)")
+    a.set_ylabel(f"{flat_key('drift', side)} of one step (mean over heads)")
     fig.legend(*a.get_legend_handles_labels(), loc="lower left", fontsize=8, ncols=2,
                bbox_to_anchor=(0.06, 0.0))
     lrs, md, slope = drift_fit(data, sweep, side)
@@ -124,11 +127,11 @@ def fig4(data: ExperimentData, sweep: list[str], side: str, path: Path) -> float
     b.plot(lrs, d1, "s--", label=f"step 1, float32: slope {slope1:.2f}")
     sp = data.same_point.get("")
     if sp is not None:
-        b.plot(sp["lr"], sp[f"drift_{side}"], "^-",
-               label=f"one float64 step from the same weights: slope {sp[f'slope_{side}']:.3f}")
+        b.plot(sp.lr, sp.drift[side], "^-",
+               label=f"one float64 step from the same weights: slope {sp.slope[side]:.3f}")
     b.set_yscale("log")
     _lr_axis(b, lrs)
-    b.set_ylabel(f"drift_{side}")
+    b.set_ylabel(flat_key("drift", side))
     b.set_title("drift against lr (theory: slope 2)", fontsize=10)
     fig.legend(*b.get_legend_handles_labels(), loc="lower right", fontsize=8, bbox_to_anchor=(0.99, 0.0))
     fig.tight_layout(rect=(0, 0.12, 1, 1))
@@ -146,19 +149,19 @@ def fig5_second_order(data: ExperimentData, path: Path) -> Path:
         sp = data.same_point.get(prefix)
         if sp is None:
             continue
-        a.plot(sp["lr"], sp["drift_qk"], "o-", color=colors[prefix],
-               label=f"{label}: C_QK, slope {sp['slope_qk']:.2f}")
+        a.plot(sp.lr, sp.drift["qk"], "o-", color=colors[prefix],
+               label=f"{label}: C_QK, slope {sp.slope['qk']:.2f}")
         if prefix:
-            a.plot(sp["lr"], sp["drift_qk_naive"], "x--", color=colors[prefix],
-                   label=f"{label}: per-head unprojected, slope {sp['slope_qk_naive']:.2f}")
+            a.plot(sp.lr, sp.drift_qk_naive, "x--", color=colors[prefix],
+                   label=f"{label}: per-head unprojected, slope {sp.slope_qk_naive:.2f}")
         run = data.runs.get(prefix + "sgd")
         if run is not None:
-            b.scatter(run["update_norm_layers"].ravel() ** 2, _per_layer_max(run["drift_qk"], run).ravel(),
+            b.scatter(run.update_norm_layers.ravel() ** 2, _per_layer_max(run.qk.drift, run).ravel(),
                       s=8, alpha=0.6, color=colors[prefix], label=label)
-            bound = np.cumsum(run["update_sq_qk"][1:].sum(1))
-            moved = np.abs(run["beta_qk"][1:] - run["beta_qk"][0]).max(1)
-            c.plot(run["step"][1:], moved, color=colors[prefix], label=f"{label}: max |Δbeta_qk| over heads")
-            c.plot(run["step"][1:], bound, color=colors[prefix], ls=":",
+            bound = np.cumsum(run.qk.update_sq[1:].sum(1))
+            moved = np.abs(run.qk.beta[1:] - run.qk.beta[0]).max(1)
+            c.plot(run.step[1:], moved, color=colors[prefix], label=f"{label}: max |Δbeta_qk| over heads")
+            c.plot(run.step[1:], bound, color=colors[prefix], ls=":",
                    label=f"{label}: bound Σ||Δw_QK||² (all layers)")
     a.set_yscale("log")
     _lr_axis(a, SWEEP_LRS)
@@ -192,20 +195,20 @@ def second_order_text(data: ExperimentData) -> str:
         run, sp = data.runs.get(prefix + "sgd"), data.same_point.get(prefix)
         if run is None:
             continue
-        beta = run["beta_qk"].mean(1)  # [S]
+        beta = run.qk.beta.mean(1)  # [S]
         jump = int(np.argmax(np.abs(np.diff(beta)))) + 1 if len(beta) > 1 else 0
-        at_jump = float(run["update_norm_max"][jump].max())
-        typical = float(np.median(run["update_norm_max"][1:].max(1))) if len(beta) > 1 else at_jump
+        at_jump = float(run.update_norm_max[jump].max())
+        typical = median(run.update_norm_max[1:].max(1)) if len(beta) > 1 else at_jump
         text = (f"- {label}, SGD lr 0.25: mean beta_qk {beta[0]:.4g} -> {beta[-1]:.4g} "
                 f"({100 * (beta[-1] - beta[0]) / beta[0]:+.1f}%); sum of squared QK steps "
-                f"{run['update_sq_qk'][1:].sum():.3g}; largest change of beta between steps "
-                f"{run['step'][jump - 1]:.0f} and {run['step'][jump]:.0f}, where the largest single update "
+                f"{run.qk.update_sq[1:].sum():.3g}; largest change of beta between steps "
+                f"{run.step[jump - 1]:.0f} and {run.step[jump]:.0f}, where the largest single update "
                 f"norm was {at_jump:.3g} (median over intervals {typical:.3g}).")
         if sp is not None:
             text += (f" One float64 step from the trained weights: drift slope against lr "
-                     f"{sp['slope_qk']:.3f}")
+                     f"{sp.slope['qk']:.3f}")
             if prefix:
-                text += f" (the unprojected per-head quantity: {sp['slope_qk_naive']:.3f}, first order)"
+                text += f" (the unprojected per-head quantity: {sp.slope_qk_naive:.3f}, first order)"
             text += "."
         lines.append(text)
     lines += ["", "So the claim is stated as a bound that is true and checkable: SGD changes beta_qk only "
@@ -213,9 +216,9 @@ def second_order_text(data: ExperimentData) -> str:
     return "\n".join(lines)
 
 
-def _per_layer_max(per_head: np.ndarray, run: dict[str, np.ndarray]) -> np.ndarray:
+def _per_layer_max(per_head: np.ndarray, run: RunData) -> np.ndarray:
     """``[S, L*G] -> [S, L]``: the largest value over each layer's groups."""
-    n_layers = run["update_norm_layers"].shape[1]
+    n_layers = run.update_norm_layers.shape[1]
     return per_head.reshape(per_head.shape[0], n_layers, -1).max(2)
 
 
@@ -244,12 +247,12 @@ def _tail(x: np.ndarray, frac: float = 0.2) -> float:
     return float(np.mean(x[-n:]))
 
 
-def second_order_ratio(run: dict[str, np.ndarray], n_layers: int) -> tuple[float, float, float]:
+def second_order_ratio(run: RunData, n_layers: int) -> tuple[float, float, float]:
     """For an SGD run: (per-head |beta_last - beta_first| of the head nearest its bound, the
     layer's bound
     ``sum_t ||Δw_QK,t||^2`` over the same steps, the ratio moved / bound maximised over heads)."""
-    moved = np.abs(run["beta_qk"][-1] - run["beta_qk"][0])  # [L*G], from after step 1 to the end
-    bound_layers = run["update_sq_qk"][1:].sum(0)  # [L]: every step after the first
+    moved = np.abs(run.qk.beta[-1] - run.qk.beta[0])  # [L*G], from after step 1 to the end
+    bound_layers = run.qk.update_sq[1:].sum(0)  # [L]: every step after the first
     bound = np.repeat(bound_layers, moved.size // n_layers)  # [L*G]
     ratio = moved / np.maximum(bound, 1e-300)
     i = int(np.argmax(ratio))
@@ -258,8 +261,8 @@ def second_order_ratio(run: dict[str, np.ndarray], n_layers: int) -> tuple[float
 
 def _second_order_claims(data: ExperimentData, prefix: str, add) -> None:
     sgd = data.runs[prefix + "sgd"]
-    n_layers = sgd["update_norm_layers"].shape[1]
-    b0, b1 = sgd["beta_qk"][0].mean(), sgd["beta_qk"][-1].mean()
+    n_layers = sgd.update_norm_layers.shape[1]
+    b0, b1 = sgd.qk.beta[0].mean(), sgd.qk.beta[-1].mean()
     moved, bound, ratio = second_order_ratio(sgd, n_layers)
     add("SGD changes beta_qk only at second order: every head's |Δbeta_qk| over the run is at most "
         "the sum of its layer's squared QK updates, sum_t ||Δw_QK,t||^2",
@@ -270,18 +273,18 @@ def _second_order_claims(data: ExperimentData, prefix: str, add) -> None:
     if sp is None:
         return
     lo, hi = LIMITS.slope
-    holds = lo <= sp["slope_qk"] <= hi and lo <= sp["slope_vo"] <= hi
-    evidence = f"slope QK {sp['slope_qk']:.3f}, VO {sp['slope_vo']:.3f}"
+    holds = lo <= sp.slope["qk"] <= hi and lo <= sp.slope["vo"] <= hi
+    evidence = f"slope QK {sp.slope['qk']:.3f}, VO {sp.slope['vo']:.3f}"
     claim = ("one float64 SGD step from the trained weights changes C like lr^2 (slope 2), "
              "C_QK by at most ||lr g_QK||^2")
     if prefix:
-        holds = holds and sp["slope_qk_naive"] <= LIMITS.naive_slope_max
+        holds = holds and sp.slope_qk_naive <= LIMITS.naive_slope_max
         claim += "; the per-head unprojected quantity, which ignores RoPE/GQA, changes like lr (slope 1)"
-        evidence += f"; unprojected per-head QK quantity: slope {sp['slope_qk_naive']:.3f}"
-    step_ok = all(d <= s for d, s in zip(sp["drift_qk"], sp["step_sq_qk"], strict=True))
+        evidence += f"; unprojected per-head QK quantity: slope {sp.slope_qk_naive:.3f}"
+    step_ok = all(d <= s for d, s in zip(sp.drift["qk"], sp.step_sq_qk, strict=True))
     add(claim, holds and step_ok,
         evidence + f"; drift / ||lr g_QK||^2 at lr 0.25: "
-                   f"{sp['drift_qk'][1] / sp['step_sq_qk'][1]:.3f}")
+                   f"{sp.drift['qk'][1] / sp.step_sq_qk[1]:.3f}")
 
 
 def claims(data: ExperimentData, prefix: str = "", share: float | None = None,
@@ -296,33 +299,33 @@ def claims(data: ExperimentData, prefix: str = "", share: float | None = None,
     def add(claim: str, holds: bool, evidence: str) -> None:
         out.append(Claim(SECTION, tag + claim, bool(holds), evidence))
 
-    rho_sgd, rho_adam = float(np.median(sgd["rho_qk"][1:])), float(np.median(adam["rho_qk"][1:]))
+    rho_sgd, rho_adam = median(sgd.qk.rho[1:]), median(adam.qk.rho[1:])
     add("SGD without weight decay moves (numerically) nothing along the QK orbit",
         rho_sgd < LIMITS.sgd_rho_vs_adam * rho_adam,
         f"median rho_qk: SGD {rho_sgd:.2e}, AdamW {rho_adam:.2e}")
     _second_order_claims(data, prefix, add)
-    b1, bw = sgd["beta_qk"][-1].mean(), wd["beta_qk"][-1].mean()
+    b1, bw = sgd.qk.beta[-1].mean(), wd.qk.beta[-1].mean()
     add("weight decay makes beta_qk shrink", bw < b1, f"final mean beta_qk: SGD {b1:.4g}, SGD+wd {bw:.4g}")
     target = 1 / (2 * n_heads) if share is None else share
     add("AdamW's rho_qk is of the order of the tangent share (1/(2H) for plain MHA)",
         target / LIMITS.share_factor <= rho_adam <= LIMITS.share_factor * target,
         f"median rho_qk {rho_adam:.3g} vs tangent share {target:.3g} (1/(2H) = {1 / (2 * n_heads):.3g})")
-    b0 = sgd["beta_qk"][0].mean()
-    ba0, ba1 = adam["beta_qk"][0].mean(), adam["beta_qk"][-1].mean()
+    b0 = sgd.qk.beta[0].mean()
+    ba0, ba1 = adam.qk.beta[0].mean(), adam.qk.beta[-1].mean()
     add("AdamW makes beta_qk drift (more than SGD)", abs(ba1 - ba0) > abs(b1 - b0),
         f"AdamW beta_qk {ba0:.4g} -> {ba1:.4g}; SGD {b0:.4g} -> {b1:.4g}")
-    la, lr_ = _tail(adam["loss"]), _tail(reb["loss"])
-    noise = max(float(np.std(adam["loss"][-max(3, len(adam["loss"]) // 5):])), 1e-3)
+    la, lr_ = _tail(adam.loss), _tail(reb.loss)
+    noise = max(float(np.std(adam.loss[-max(3, len(adam.loss) // 5):])), 1e-3)
     add("rebalancing leaves AdamW's loss curve unchanged (within run-to-run noise)",
         abs(la - lr_) <= LIMITS.loss_noise_sigmas * noise + LIMITS.loss_relative * la,
         f"mean loss over the last 20%: AdamW {la:.4f}, rebalanced {lr_:.4f}, noise {noise:.4f}")
-    bm = reb["beta_qk"].mean(1)
+    bm = reb.qk.beta.mean(1)
     add("rebalancing makes beta_qk a sawtooth (back to ~0 at each rebalance)",
         bm.min() < LIMITS.sawtooth_floor * bm.max() and bm[-1] > bm.min(),
         f"rebalanced mean beta_qk: min {bm.min():.3g}, max {bm.max():.3g}")
-    if "grad_norm_bk" in adam:
-        bk = float(np.max(np.abs(adam["grad_norm_bk"])))
-        bq = float(np.median(np.abs(adam["grad_norm_bq"])))
+    if adam.grad_norm_bk is not None:
+        bk = float(np.max(np.abs(adam.grad_norm_bk)))
+        bq = median(np.abs(adam.grad_norm_bq))
         if key_bias_free:  # float32 training: "numerically zero" is ~1e-7 relative
             add("the key-bias gradient is numerically zero, the query-bias gradient is not",
                 bk < LIMITS.key_bias_zero * bq, f"max |grad b_K| {bk:.2e}, median |grad b_Q| {bq:.2e}")
@@ -335,9 +338,9 @@ def claims(data: ExperimentData, prefix: str = "", share: float | None = None,
 def sweep_claim(data: ExperimentData, sweep: list[str]) -> Claim:
     ordered = sorted(sweep, key=lambda c: -float(c.removeprefix("sweep_lr")))
     mono = all(all(a > b for a, b in itertools.pairwise(drift_fit(data, ordered, side)[1].tolist()))
-               for side in ("qk", "vo"))
-    s = {side: drift_fit(data, sweep, side)[2] for side in ("qk", "vo")}
-    s1 = {side: drift_fit(data, sweep, side, first=True)[2] for side in ("qk", "vo")}
+               for side in SIDES)
+    s = {side: drift_fit(data, sweep, side)[2] for side in SIDES}
+    s1 = {side: drift_fit(data, sweep, side, first=True)[2] for side in SIDES}
     return Claim(SECTION, "over whole SGD runs, drift falls with the learning rate (the paper's Fig. 4)",
                  mono and s["qk"] > 0 and s["vo"] > 0,
                  f"mean drift decreases monotonically from lr 0.5 to 0.0625: {mono}; whole-run log-log "
@@ -357,15 +360,15 @@ def summary_rows(data: ExperimentData) -> list[dict]:
     for c, r in data.runs.items():
         rows.append({
             "case": c,
-            "final_train_loss": round(float(r["loss"][-1]), 4),
-            "final_val_loss": round(float(r["val_loss"][-1]), 4) if r["val_loss"].size else None,
-            "median_rho_qk": float(np.median(r["rho_qk"][1:])),
-            "median_rho_vo": float(np.median(r["rho_vo"][1:])),
-            "beta_qk_first": float(r["beta_qk"][0].mean()),
-            "beta_qk_last": float(r["beta_qk"][-1].mean()),
-            "beta_vo_change": float(r["beta_vo"][-1].mean() - r["beta_vo"][0].mean()),
-            "final_tau_qk": float(r["tau_qk"][-1].mean()),
-            "sum_update_sq_qk": float(r["update_sq_qk"][1:].sum()),
+            "final_train_loss": round(float(r.loss[-1]), 4),
+            "final_val_loss": round(float(r.val_loss[-1]), 4) if r.val_loss.size else None,
+            "median_rho_qk": median(r.qk.rho[1:]),
+            "median_rho_vo": median(r.vo.rho[1:]),
+            "beta_qk_first": float(r.qk.beta[0].mean()),
+            "beta_qk_last": float(r.qk.beta[-1].mean()),
+            "beta_vo_change": float(r.vo.beta[-1].mean() - r.vo.beta[0].mean()),
+            "final_tau_qk": float(r.qk.tau[-1].mean()),
+            "sum_update_sq_qk": float(r.qk.update_sq[1:].sum()),
         })
     return rows
 
@@ -391,7 +394,7 @@ def _paper_figures(data: ExperimentData, figures: Path) -> list[Figure]:
                "The paper's Fig. 3: the key-bias gradient (right) stays at float32 rounding level in "
                "every case, many orders below the query-bias gradient (left) on the same scale."),
     ]
-    for side in ("qk", "vo"):
+    for side in SIDES:
         slope = fig4(data, sweep, side, figures / f"fig4_drift_{side}.png")
         figs.append(Figure(figures / f"fig4_drift_{side}.png",
                            f"The paper's Fig. 4 ({side.upper()}). Left: drift of one step along the run "
@@ -426,7 +429,7 @@ def _projection_parts(data: ExperimentData, figures: Path) -> tuple[list[Figure]
                       "AdamW with and without the project correction"),
                  "The project correction (bottom) removes the orbit part of every AdamW update: "
                  "rho_qk drops to zero and beta_qk stays nearly flat, as under SGD.")
-    rp = float(np.max(data.runs["adamw_project"]["rho_qk"][1:]))
+    rp = float(np.max(data.runs["adamw_project"].qk.rho[1:]))
     return [fig], [Claim(SECTION, "the project correction removes all orbit motion (rho_qk = 0)",
                          rp < LIMITS.projection_rho, f"max rho_qk with projection {rp:.2e}")]
 

@@ -12,7 +12,8 @@ nothing. `attnid.report.training` turns the data into figures, tables and claims
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +23,11 @@ import torch
 from attnid.errors import AttnidError
 from attnid.progress import Progress
 from attnid.symmetry import AttentionWeights, metrics
+from attnid.symmetry.conserved import flat_key
 from attnid.train.data import shakespeare
 from attnid.train.loop import PRESETS, TrainConfig, train
 from attnid.train.model import GPT, GPTConfig
+from attnid.weights import SIDES, Side
 
 
 @dataclass(frozen=True)
@@ -117,25 +120,59 @@ def case_configs(scale: str, *, beyond: bool = True, seed: int = 0, device: str 
     return runs
 
 
-def load_run(run_dir: Path) -> dict[str, np.ndarray]:
-    """metrics.jsonl -> arrays: ``step [S]``, scalars ``[S]``, per-head metrics ``[S, L*G]``,
-    per-layer metrics ``[S, L]``; ``val_step``/``val_loss`` where evaluated."""
+@dataclass(frozen=True)
+class SideSeries:
+    """One side's metrics over a run (``S`` logged steps): per head ``[S, L*G]`` (QK-norm's QK
+    side: per layer ``[S, L]``)."""
+
+    rho: np.ndarray  # tangent share of each logged update
+    beta: np.ndarray  # ||C||_F after it
+    tau: np.ndarray  # trace C
+    mu: np.ndarray  # smallest Gram eigenvalues, summed
+    drift: np.ndarray  # ||C_after - C_before||_F of the logged update
+    update_sq: np.ndarray  # [S, L]: sum of the squared updates of this side since the last log
+
+
+@dataclass(frozen=True)
+class RunData:
+    """One run's ``metrics.jsonl`` as arrays (``S`` logged steps, ``L`` layers)."""
+
+    step: np.ndarray  # [S]
+    loss: np.ndarray  # [S]
+    val_step: np.ndarray  # [V]: the steps that were evaluated
+    val_loss: np.ndarray  # [V]
+    update_norm: np.ndarray  # [S]: norm of the whole attention update
+    update_norm_layers: np.ndarray  # [S, L]
+    update_norm_max: np.ndarray  # [S, L]: the largest single update since the last log
+    qk: SideSeries
+    vo: SideSeries
+    grad_norm_bq: np.ndarray | None  # [S, L*H]: query-bias gradient norm per head
+    grad_norm_bk: np.ndarray | None  # [S, L*G]
+
+    def side(self, side: Side) -> SideSeries:
+        return self.qk if side == "qk" else self.vo
+
+
+def load_run(run_dir: Path) -> RunData:
+    """``metrics.jsonl`` -> :class:`RunData` (the names are those the training loop writes)."""
     recs = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines() if ln.strip()]
-    out: dict[str, Any] = {"step": np.array([r["step"] for r in recs], dtype=float)}
-    for key in recs[0]:
-        if key in ("step", "val_loss"):
-            continue
-        vals = [r.get(key) for r in recs]
+
+    def col(key: str) -> np.ndarray:
+        vals = [r[key] for r in recs]
         if isinstance(vals[0], list):
-            out[key] = np.array([np.ravel(np.array(v, dtype=float)) for v in vals])
-        else:
-            out[key] = np.array(vals, dtype=float)
+            return np.array([np.ravel(np.array(v, dtype=float)) for v in vals])
+        return np.array(vals, dtype=float)
+
+    def series(side: Side) -> SideSeries:
+        return SideSeries(*(col(flat_key(f.name, side)) for f in fields(SideSeries)))
+
     vl = [(r["step"], r["val_loss"]) for r in recs if "val_loss" in r]
-    out["val_step"] = np.array([s for s, _ in vl], dtype=float)
-    out["val_loss"] = np.array([v for _, v in vl], dtype=float)
-    out["update_norm_layers"] = out["update_norm"]  # [S, L]
-    out["update_norm"] = np.sqrt((out["update_norm"] ** 2).sum(1))  # [S]: the whole update
-    return out
+    layers = col("update_norm")  # [S, L]
+    return RunData(col("step"), col("loss"), np.array([s for s, _ in vl], dtype=float),
+                   np.array([v for _, v in vl], dtype=float), np.sqrt((layers**2).sum(1)), layers,
+                   col("update_norm_max"), series("qk"), series("vo"),
+                   col("grad_norm_bq") if "grad_norm_bq" in recs[0] else None,
+                   col("grad_norm_bk") if "grad_norm_bk" in recs[0] else None)
 
 
 def _naive_qk(w: AttentionWeights) -> torch.Tensor:
@@ -150,7 +187,27 @@ def _naive_qk(w: AttentionWeights) -> torch.Tensor:
     return Q.transpose(-1, -2) @ Q - K.transpose(-1, -2) @ K
 
 
-def same_point_drift(run_dir: Path, lrs: tuple[float, ...], *, batch_seed: int = 123) -> dict[str, Any]:
+@dataclass(frozen=True)
+class SamePoint:
+    """One float64 SGD step of each lr from the same trained weights (``same_point_drift.json``
+    is :meth:`to_dict`)."""
+
+    lr: list[float]
+    step_sq_qk: list[float]  # ||lr g_QK||^2 per lr: the bound on the QK drift
+    drift: dict[Side, list[float]]  # per lr, the largest drift over heads
+    slope: dict[Side, float]  # log-log slope of drift against lr
+    drift_qk_naive: list[float]  # the same for the unprojected per-head QK quantity
+    slope_qk_naive: float
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"lr": self.lr, "step_sq_qk": self.step_sq_qk}
+        for side in SIDES:
+            out[flat_key("drift", side)] = self.drift[side]
+            out[flat_key("slope", side)] = self.slope[side]
+        return {**out, "drift_qk_naive": self.drift_qk_naive, "slope_qk_naive": self.slope_qk_naive}
+
+
+def same_point_drift(run_dir: Path, lrs: tuple[float, ...], *, batch_seed: int = 123) -> SamePoint:
     """Drift of one SGD step of each lr from the *same* trained weights, in float64.
 
     The theory's statement (drift = O(lr^2) per step) isolated from trajectory effects and
@@ -172,16 +229,17 @@ def same_point_drift(run_dir: Path, lrs: tuple[float, ...], *, batch_seed: int =
     w, g = AttentionWeights.stack(ws), AttentionWeights.stack(gs)
     qk_names = [n for n in ("W_Q", "b_Q", "W_K", "b_K") if n in spec.param_shapes()]
     g_qk_sq = float(sum(g[n].square().sum() for n in qk_names))
-    out: dict[str, Any] = {"lr": list(lrs), "step_sq_qk": [lr**2 * g_qk_sq for lr in lrs]}
+    after = [metrics(w, w - g.scale(lr)) for lr in lrs]
+    drift = {side: [float(m.side(side).drift.max()) for m in after] for side in SIDES}
     naive0 = _naive_qk(w)
-    for side in ("qk", "vo"):
-        d = [float(metrics(w, w - g.scale(lr)).side(side).drift.max()) for lr in lrs]
-        out[f"drift_{side}"] = d
-        out[f"slope_{side}"] = float(np.polyfit(np.log(lrs), np.log(d), 1)[0])
     naive = [float((_naive_qk(w - g.scale(lr)) - naive0).flatten(-2).norm(dim=-1).max()) for lr in lrs]
-    out["drift_qk_naive"] = naive
-    out["slope_qk_naive"] = float(np.polyfit(np.log(lrs), np.log(naive), 1)[0])
-    return out
+    return SamePoint(list(lrs), [lr**2 * g_qk_sq for lr in lrs], drift,
+                     {side: _slope(lrs, d) for side, d in drift.items()}, naive, _slope(lrs, naive))
+
+
+def _slope(x: Sequence[float], y: Sequence[float]) -> float:
+    """The least-squares slope of ``log y`` against ``log x``."""
+    return float(np.polyfit(np.log(x), np.log(y), 1)[0])
 
 
 @dataclass(frozen=True)
@@ -192,8 +250,8 @@ class ExperimentData:
 
     out: Path
     configs: dict[str, TrainConfig]
-    runs: dict[str, dict[str, np.ndarray]]
-    same_point: dict[str, dict[str, Any]]
+    runs: dict[str, RunData]
+    same_point: dict[str, SamePoint]
 
     @property
     def n_heads(self) -> int:
@@ -207,7 +265,7 @@ def run_experiment(out: Path, *, scale: str = "cpu", beyond: bool = True, seed: 
     shown = progress if progress is not None else Progress(enabled=False)
     runs = case_configs(scale, beyond=beyond, seed=seed, device=device)
     done: dict[str, str] = {}
-    same_point: dict[str, dict[str, Any]] = {}
+    same_point: dict[str, SamePoint] = {}
     for i, (name, cfg) in enumerate(runs.items(), start=1):
         key = json.dumps(cfg.to_dict(), sort_keys=True)
         shown.run(i, len(runs), f"training {name} ({title(name)})")
@@ -223,5 +281,6 @@ def run_experiment(out: Path, *, scale: str = "cpu", beyond: bool = True, seed: 
             same_point[prefix] = same_point_drift(out / "runs" / name, SWEEP_LRS)
             (out / "runs" / name / "checkpoint.pt").unlink(missing_ok=True)
         done[key] = name
-    (out / "same_point_drift.json").write_text(json.dumps(same_point, indent=2))
+    (out / "same_point_drift.json").write_text(json.dumps({k: v.to_dict() for k, v in same_point.items()},
+                                                          indent=2))
     return ExperimentData(out, runs, {n: load_run(out / "runs" / n) for n in runs}, same_point)
