@@ -19,6 +19,14 @@ def test_quick_section(minilm, digest, tmp_path):
     for r in rows:
         assert 0.0 <= r["gauge_share"] <= 1.0 and 0.0 <= r["retrieval_accuracy"] <= 1.0, r
     assert len(tables["pretrained_audit"]) == 6
+    # the CSV columns: the normalised value is the imbalance, never beta
+    assert list(tables["pretrained_audit"][0]) == [
+        "layer", "imbalance_qk_median", "imbalance_qk_max", "imbalance_vo_median", "imbalance_vo_max",
+        "removable_share"]
+    assert list(rows[0]) == ["optimizer", "steps", "final_loss", "rho_qk_median", "rho_vo_median",
+                             "drift_qk_median", "drift_vo_median", "weight_change", "aligned_change",
+                             "gauge_share", "retrieval_accuracy", "seconds"]
+    assert "imbalance_qk median" in sec.text and "beta_qk" not in sec.text
     assert {f.path.name for f in sec.figures} == {"pretrained_finetune.png", "pretrained_audit.png"}
     assert all(f.path.stat().st_size > 10_000 and f.caption for f in sec.figures)
     claims = {c.claim: c for c in sec.claims}
