@@ -437,6 +437,21 @@ def test_malformed_checkpoint(mutation, src, cmd, sources, broken, tmp_path, cap
     assert fingerprint(d) == before and fingerprint(good) == good_before, "an input was modified"
 
 
+CONFIG_CASES = [pytest.param(m, cmd, id=f"{m.name}-{cmd}")
+                for m in MUTATIONS if m.name.startswith("config-") and m.name != "config-layers-too-many"
+                for cmd in ("report", "verify-hf")]
+
+
+@pytest.mark.parametrize(("mutation", "cmd"), CONFIG_CASES)
+def test_malformed_config_elsewhere(mutation, cmd, broken, capsys):
+    """The commands that read a config without weights (`report`, `verify --hf-config`)."""
+    d, file, words = broken(mutation, "llama")
+    before = fingerprint(d)
+    args = ["report", str(d)] if cmd == "report" else ["verify", "--hf-config", str(d)]
+    assert_one_error(main(args), capsys.readouterr().err, file, words)
+    assert fingerprint(d) == before
+
+
 @pytest.mark.parametrize("cmd", ["audit", "diff-b", "canonicalize"])
 @pytest.mark.parametrize("src", ["minilm", "llama"])
 def test_sources_are_sound(src, cmd, sources, tmp_path, capsys):
@@ -538,3 +553,22 @@ def test_random_mutation(kind, single, tmp_path_factory, capsys, data):
 def test_random_mutation_every_command(kind, single, tmp_path_factory, capsys, data):
     cmd = data.draw(st.sampled_from(["audit", "diff-a", "canonicalize"]), label="command")
     RANDOM[kind](single, tmp_path_factory, capsys, data, cmd)
+
+
+# ---- audit --plot: the format is checked before the work ---------------------------------
+@pytest.mark.parametrize("name", ["map.txt", "map", "map.PNGX"])
+def test_plot_format_refused_before_any_work(name, sources, tmp_path, capsys, monkeypatch):
+    def no_work(*a, **k):
+        raise AssertionError("audit ran before --plot was checked")
+
+    monkeypatch.setattr("attnid.checkpoint.audit.audit", no_work)
+    code = main(["audit", str(sources["llama"].root), "--plot", str(tmp_path / name)])
+    assert_one_error(code, capsys.readouterr().err, name, ["suffix", ".png", ".svg"])
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("name", ["map.png", "map.svg", "map.PDF"])
+def test_plot_formats_matplotlib_writes(name, sources, tmp_path, capsys):
+    assert main(["audit", str(sources["llama"].root), "--plot", str(tmp_path / name)]) == 0
+    head = (tmp_path / name).read_bytes()[:8]
+    assert head.startswith({".png": b"\x89PNG", ".svg": b"<?xml", ".pdf": b"%PDF"}[Path(name).suffix.lower()])

@@ -319,10 +319,34 @@ def hf_config(c: Config) -> Any:
 
     if not c.get("model_type"):
         raise AttnidError(f"{source_of(c)} has no 'model_type'; transformers cannot build it")
+    fields = {k: v for k, v in c.items() if k != "model_type"}
     try:
-        return AutoConfig.for_model(c["model_type"], **{k: v for k, v in c.items() if k != "model_type"})
+        return AutoConfig.for_model(c["model_type"], **fields, **_tokens_outside_vocab(c))
     except Exception as e:  # transformers refusing a user's fields (see read_hf_config)
         raise AttnidError(f"{source_of(c)}: transformers refuses it ({type(e).__name__}: {e})") from None
+
+
+def _tokens_outside_vocab(c: Config) -> dict[str, None]:
+    """Special token ids (``bos_token_id``, ``eos_token_id``, ...; given or the class's default)
+    that lie outside a config's vocabulary, as None: a tiny or reduced config keeps GPT-2's
+    50256 with 32 tokens, transformers warns about each, and attnid never generates text.
+    ``pad_token_id`` stays: it is the embedding's padding row, part of the structure."""
+    import dataclasses
+
+    from transformers import CONFIG_MAPPING
+
+    vocab = c.get("vocab_size")
+    # (not .get: transformers' lazy mapping answers None there for classes not yet loaded)
+    cls = CONFIG_MAPPING[c["model_type"]] if c["model_type"] in CONFIG_MAPPING else None  # noqa: SIM401
+    if not isinstance(vocab, int) or cls is None or not dataclasses.is_dataclass(cls):
+        return {}
+    out: dict[str, None] = {}
+    for f in dataclasses.fields(cls):
+        if f.name.endswith("_token_id") and f.name != "pad_token_id":
+            value = c.get(f.name, f.default)
+            if isinstance(value, int) and not 0 <= value < vocab:
+                out[f.name] = None
+    return out
 
 
 def read_hf_config(root: str | Path, c: Config) -> Any:
@@ -362,7 +386,11 @@ def new_hf_model(c: Config, *, head: bool = True, eager: bool = False) -> nn.Mod
     if eager:
         conf._attn_implementation = "eager"
     cls = hf_model_class(c, head=head)
-    return cls(conf) if cls.__name__ != "AutoModel" else cls.from_config(conf)
+    try:
+        return cls(conf) if cls.__name__ != "AutoModel" else cls.from_config(conf)
+    except Exception as e:  # transformers building a user's config: its refusal (see read_hf_config)
+        raise AttnidError(f"{source_of(c)}: transformers cannot build {cls.__name__} from it "
+                          f"({type(e).__name__}: {e})") from None
 
 
 def build_hf_model(c: Config, *, head: bool = False) -> nn.Module:

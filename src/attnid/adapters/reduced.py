@@ -22,6 +22,7 @@ def verify_hf_config(model: str, *, seed: int = 0, confirm: bool | None = None) 
     if not adapter.closed_form:
         raise AttnidError(f"{adapter.family} has no closed form to compare with (attnid lacks "
                           f"{adapter.missing}); `attnid report` shows its numeric count")
+    full = adapter.specs(config)[0]  # the whole config checked before any work
     small = adapter.reduce(config)
     spec = adapter.spec(small)
     module, forward = adapter.hf_attention(small)
@@ -34,7 +35,6 @@ def verify_hf_config(model: str, *, seed: int = 0, confirm: bool | None = None) 
 
     kwargs: dict[str, Any] = dict(forward=forward, d_model=spec.d_model,
                                   rtol=EXACT_RTOL[adapter.working_precision])
-    full = adapter.spec(config)
     changed = "" if full.group_size == spec.group_size else (
         f"; group size {full.group_size} reduced to {spec.group_size}")
     arch = (config.get("architectures") or [adapter.model_type])[0]
