@@ -75,6 +75,17 @@ def test_every_bundled_config_reads(name):
         assert a.whole(c).vocab == c["vocab_size"]
 
 
+def test_token_ids_outside_the_vocabulary_become_none():
+    pytest.importorskip("transformers")
+    from attnid.adapters.base import hf_config
+
+    tiny = {"model_type": "gpt2", "n_embd": 8, "n_head": 2, "n_layer": 1, "vocab_size": 12}
+    c = hf_config({**tiny, "bos_token_id": 50256})  # given, and GPT-2's default eos, both too big
+    assert c.bos_token_id is None and c.eos_token_id is None
+    c = hf_config({**tiny, "bos_token_id": 3, "eos_token_id": 4, "pad_token_id": 5})
+    assert (c.bos_token_id, c.eos_token_id, c.pad_token_id) == (3, 4, 5)  # inside: kept
+
+
 QUIET = """
 import json
 from attnid.adapters import adapter_for

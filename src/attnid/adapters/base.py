@@ -321,7 +321,7 @@ def hf_config(c: Config) -> Any:
         raise AttnidError(f"{source_of(c)} has no 'model_type'; transformers cannot build it")
     fields = {k: v for k, v in c.items() if k != "model_type"}
     try:
-        return AutoConfig.for_model(c["model_type"], **fields, **_tokens_outside_vocab(c))
+        return AutoConfig.for_model(c["model_type"], **{**fields, **_tokens_outside_vocab(c)})
     except Exception as e:  # transformers refusing a user's fields (see read_hf_config)
         raise AttnidError(f"{source_of(c)}: transformers refuses it ({type(e).__name__}: {e})") from None
 

@@ -10,6 +10,7 @@ from attnid.adapters.registry import adapter_for
 from attnid.theory import count
 
 if TYPE_CHECKING:
+    from attnid.adapters.base import Adapter
     from attnid.progress import Progress
 
 
@@ -55,7 +56,7 @@ def _layers(per_layer: list[dict[str, Any]]) -> dict[str, Any]:
     return {"layers": per_layer, "layers_identical": same}
 
 
-def _numeric_report(name: str, config: dict[str, Any], adapter: Any, with_params: bool
+def _numeric_report(name: str, config: dict[str, Any], adapter: Adapter, with_params: bool
                     ) -> dict[str, Any]:
     """Families without a closed form: full-size parameter counts, and the arbiter's count of
     one layer at a reduced config of Hugging Face's own class."""
