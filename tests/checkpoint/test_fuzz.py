@@ -472,7 +472,7 @@ JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3)
                     | st.dictionaries(st.text(max_size=4), inner, max_size=3), max_leaves=6)
 FAST = settings(max_examples=20, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-SLOW = settings(FAST, max_examples=400)
+SLOW = settings(FAST, max_examples=200)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from variants import IDS, VARIANTS
+from variants import IDS, ORBIT_GRID, VARIANTS
 
 from attnid import Attention, AttentionSpec, AttnidError, randomize_
 from attnid.symmetry import AttentionWeights, Gauge, apply_gauge, metrics, random_gauge, rebalance
@@ -116,3 +116,10 @@ def test_balance_pair_keeps_the_product_and_balances(dead: bool):
     assert err < 1e-12, f"product changed by {err:.2e}"
     gap = relative_error(A2.transpose(-1, -2) @ A2, B2.transpose(-1, -2) @ B2)
     assert gap < 1e-10, f"Grams differ by {gap:.2e} after balancing"
+
+
+@pytest.mark.parametrize("spec", ORBIT_GRID, ids=lambda s: s.describe())
+def test_grid_is_gauge_invariant(spec: AttentionSpec):
+    """A random group element on every third spec of the arbiter grid (GQA, RoPE pairings,
+    biases, QK-norm with and without eps)."""
+    assert_gauge_invariant(randomize_(Attention(spec), 0), seed=2)
