@@ -10,9 +10,9 @@ from __future__ import annotations
 import functools
 import sys
 
-import click
 import typer
 import typer.main
+from typer.core import TyperGroup
 from typer.exceptions import TyperException
 
 from attnid.cli import audit, canonicalize, diff, identify, reproduce, training  # noqa: F401  (register commands)
@@ -56,7 +56,7 @@ def one_line(message: str) -> str:
 
 
 @functools.cache
-def _command() -> click.Command:
+def _command() -> TyperGroup:
     """The click command tree, built once (typer rebuilds it on every ``app()`` call: ~0.1 s,
     which adds up where the CLI is called in process, as in the tests)."""
     return typer.main.get_command(app)
