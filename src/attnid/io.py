@@ -95,11 +95,16 @@ def _diagnose(path: Path, error: Exception) -> str:
     """The library's refusal, made specific where it is vague: the tensor and the field."""
     message = re.sub(r"^Error while deserializing header: ", "", str(error))
     try:
+        size = path.stat().st_size
         with path.open("rb") as f:
             raw = f.read(8)
-            (n,) = struct.unpack("<Q", raw) if len(raw) == 8 else (None,)
-            if n is None or n > MAX_HEADER:
-                return message
+            if len(raw) < 8:
+                return f"it has {size} bytes, fewer than the 8 that give the header's length"
+            (n,) = struct.unpack("<Q", raw)
+            if n > MAX_HEADER or 8 + n > size:
+                return (f"its first 8 bytes give a header of {n} bytes, more than "
+                        + (f"the library's limit ({MAX_HEADER})" if n > MAX_HEADER else
+                           f"the {size - 8} bytes that follow them"))
             header = json.loads(f.read(n))
     except (OSError, ValueError):
         return message
@@ -120,7 +125,7 @@ def _diagnose(path: Path, error: Exception) -> str:
                 and all(isinstance(x, int) and x >= 0 for x in offsets) and offsets[0] <= offsets[1]):
             return f"tensor {name}: 'data_offsets' {offsets!r} is not an increasing pair of byte offsets"
         dtype = entry["dtype"]
-        if dtype not in _BITS and dtype not in ("F4", "F6_E2M3", "F6_E3M2"):
+        if not isinstance(dtype, str) or (dtype not in _BITS and dtype not in ("F4", "F6_E2M3", "F6_E3M2")):
             return f"tensor {name}: unknown 'dtype' {dtype!r}"
         if dtype in _BITS and _numel(shape) * _BITS[dtype] != 8 * (offsets[1] - offsets[0]):
             return (f"tensor {name}: 'shape' {shape} of {dtype} needs {_numel(shape) * _BITS[dtype] // 8} "
@@ -128,6 +133,14 @@ def _diagnose(path: Path, error: Exception) -> str:
         if 8 + n + offsets[1] > path.stat().st_size:
             return (f"truncated: tensor {name} ends at byte {8 + n + offsets[1]}, the file has "
                     f"{path.stat().st_size}")
+    end = 0  # the tensors, in offset order, must tile the data without gap or overlap
+    for name, entry in sorted(((k, v) for k, v in header.items() if k != "__metadata__"),
+                              key=lambda kv: kv[1]["data_offsets"][0]):
+        if entry["data_offsets"][0] != end:
+            return (f"tensor {name}: 'data_offsets' {entry['data_offsets']} "
+                    f"{'overlap' if entry['data_offsets'][0] < end else 'leave a gap after'} the bytes "
+                    f"before it (which end at {end})")
+        end = entry["data_offsets"][1]
     return message
 
 

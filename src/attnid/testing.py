@@ -1,7 +1,8 @@
 """Test tools that ship with attnid, for its own tests, its scripts and adapter authors.
 
 In the manner of ``e3nn.util.test``: one tolerance table per dtype, an assertion that a
-transform preserved a function (reporting the measured error), the invariant-map oracle
+transform preserved a function (reporting the measured error), one that a random element of
+a layer's symmetry group leaves its function alone (``assert_gauge_invariant``), the invariant-map oracle
 behind the wide QK-norm count (docs/theory.md §7.1) and a check that RoPE scores
 depend only on the relative position ``m - n`` (docs/theory.md §5.1).
 
@@ -18,8 +19,12 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from attnid.attention import Attention
+from attnid.errors import AttnidError
 from attnid.rope import apply_rope, rope_tables
 from attnid.spec import AttentionSpec
+from attnid.symmetry.gauge import Gauge, apply_gauge, random_gauge
+from attnid.weights import AttentionWeights
 
 # Relative error a function-preserving transform may leave, by the dtype it computes in:
 # float64 rounding of the transforms here is ~1e-13, so 1e-10 leaves room for depth and
@@ -75,6 +80,47 @@ def assert_function_preserved(before: Callable[..., torch.Tensor], after: Callab
     if not err <= tol:
         raise AssertionError(f"function changed: relative error {err:.3e} > {tol:.0e} ({want.dtype})")
     return err
+
+
+def assert_gauge_invariant(module: Attention | AttentionWeights, gauge: Gauge | None = None, *,
+                           inputs: torch.Tensor | None = None, rtol: float | None = None,
+                           seed: int = 0) -> float:
+    """Assert a layer computes the same function after an element of its symmetry group; return
+    the measured relative error (the counterpart of e3nn's ``assert_equivariant``).
+
+    ``module``: an `attnid.Attention` or an (unbatched) `AttentionWeights`. ``gauge``: the group
+    element (`attnid.symmetry.Gauge`); None draws one with `attnid.symmetry.random_gauge`
+    (``seed``): the QK gauge in the commutant of RoPE, the key-bias shift on pass-through
+    dims, the VO gauge, the value-bias shift into the output bias, and under QK-norm the gain
+    transfer (and the per-head scales when eps = 0); docs/theory.md §3-§7 derive why each
+    leaves the function unchanged. Both layers run in float64, causal and not, on ``inputs``
+    (default: seeded ``[2, 7, d_model]`` normal); ``rtol`` defaults to float64's tolerance.
+    A gauge that moves no weight is refused (it would test nothing).
+
+    >>> from attnid import Attention, AttentionSpec, randomize_
+    >>> spec = AttentionSpec(d_model=16, n_heads=4, n_kv_heads=2, bias="qkvo", rope=0.5)
+    >>> layer = randomize_(Attention(spec), seed=0)
+    >>> assert_gauge_invariant(layer) < 1e-12
+    True
+    """
+    w = (module if isinstance(module, AttentionWeights) else AttentionWeights.from_module(module))
+    if w.batch_shape:
+        raise AttnidError(f"one layer at a time: these weights have batch shape {w.batch_shape}")
+    w = w.to(torch.float64)
+    g = random_gauge(w, seed=seed) if gauge is None else gauge
+    moved = apply_gauge(w, g)
+    change = relative_error(moved.flat(), w.flat())
+    if not change > 1e-6:
+        raise AssertionError(f"the gauge element moves the weights by {change:.1e} only: nothing is tested")
+    if inputs is None:
+        gen = torch.Generator().manual_seed(seed)
+        inputs = torch.randn(2, 7, w.spec.d_model, generator=gen, dtype=torch.float64)
+    x = inputs.double()
+    before, after = w.to_module(copy=False), moved.to_module(copy=False)
+    errors = [assert_function_preserved(lambda x, c=c: before(x, causal=c), lambda x, c=c: after(x, causal=c),
+                                        x, rtol=TOLERANCE[torch.float64] if rtol is None else rtol)
+              for c in (True, False)]
+    return max(errors)
 
 
 # The slow reference for attnid.Attention -------------------------------------------------
@@ -170,12 +216,6 @@ def numerical_rank(J: torch.Tensor, rtol: float = 1e-10) -> int:
     """Singular values above ``rtol * sigma_max`` (a small dense matrix, float64)."""
     s = torch.linalg.svdvals(J)
     return int((s > s[0] * rtol).sum()) if s.numel() and s[0] > 0 else 0
-
-
-def invariant_map_nullity(spec: AttentionSpec, seed: int = 0) -> int:
-    """The QK side's fibre dimension at eps = 0 by the oracle: parameters minus Jacobian rank."""
-    J, _, _ = invariant_jacobian(spec, seed)
-    return J.shape[1] - numerical_rank(J)
 
 
 # RoPE relative position ------------------------------------------------------------------

@@ -8,12 +8,15 @@ Hugging Face architecture names it serves (`attnid.adapters.registry`). Shared l
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
+from attnid.adapters.config import source_of
 from attnid.errors import AttnidError
 from attnid.spec import AttentionSpec
 from attnid.structure import Structure, function_kind
@@ -31,12 +34,99 @@ def cfg(config: Config, *keys: str, default: Any = None) -> Any:
     return default
 
 
+_MISSING: Any = object()
+
+
+def _present(config: Config, keys: tuple[str, ...]) -> tuple[str, Any] | None:
+    for k in keys:
+        if config.get(k) is not None:
+            return k, config[k]
+    return None
+
+
+def _named(keys: tuple[str, ...]) -> str:
+    return repr(keys[0]) + (f" (or {', '.join(map(repr, keys[1:]))})" if len(keys) > 1 else "")
+
+
+def cfg_int(config: Config, *keys: str, default: Any = _MISSING, positive: bool = True) -> Any:
+    """The first present key as an integer (``> 0``, or ``>= 0`` with ``positive=False``);
+    ``default`` when none is present, a refusal naming the config file and the field when
+    none is and no default is given, or when the value is not such an integer (a string,
+    a bool, a fraction, NaN: configs are JSON, and a size is a JSON integer).
+
+    >>> cfg_int({"n_embd": 64}, "hidden_size", "n_embd")
+    64
+    >>> cfg_int({"hidden_size": "64"}, "hidden_size")
+    Traceback (most recent call last):
+    attnid.errors.AttnidError: the config: 'hidden_size' must be a positive integer, got '64'
+    """
+    found = _present(config, keys)
+    if found is None:
+        if default is _MISSING:
+            raise AttnidError(f"{source_of(config)}: no {_named(keys)} field")
+        return default
+    key, value = found
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not (number and value == int(value) and (value > 0 if positive else value >= 0)):
+        kind = "positive" if positive else "non-negative"
+        raise AttnidError(f"{source_of(config)}: {key!r} must be a {kind} integer, got {value!r}")
+    return int(value)
+
+
+def cfg_float(config: Config, *keys: str, default: Any = _MISSING, minimum: float = -math.inf,
+              value: Any = _MISSING) -> Any:
+    """The first present key as a finite number ``>= minimum`` (``default`` when absent);
+    otherwise a refusal naming the config file and the field. ``value``: check this value
+    (found elsewhere, e.g. in ``rope_parameters``) under the name ``keys[0]``."""
+    found = _present(config, keys) if value is _MISSING else (keys[0], value)
+    if found is None or found[1] is None:
+        if default is _MISSING:
+            raise AttnidError(f"{source_of(config)}: no {_named(keys)} field")
+        return default
+    key, v = found
+    if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= minimum):
+        bound = "" if minimum == -math.inf else f" >= {minimum:g}"
+        raise AttnidError(f"{source_of(config)}: {key!r} must be a finite number{bound}, got {v!r}")
+    return float(v)
+
+
+def cfg_bool(config: Config, *keys: str, default: bool = False) -> bool:
+    """The first present key as a flag (JSON true/false; 0 and 1 accepted), else ``default``."""
+    found = _present(config, keys)
+    if found is None:
+        return default
+    key, value = found
+    if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
+        return bool(value)
+    raise AttnidError(f"{source_of(config)}: {key!r} must be true or false, got {value!r}")
+
+
 def rope_param(config: Config, key: str, default: Any = None) -> Any:
     """A RoPE setting from transformers 5's ``rope_parameters`` or the older top-level keys."""
     rp = config.get("rope_parameters") or config.get("rope_scaling") or {}
     if isinstance(rp, dict) and rp.get(key) is not None:
         return rp[key]
     return config.get(key, default)
+
+
+def rope_float(config: Config, key: str, default: float, minimum: float = -math.inf) -> float:
+    """:func:`rope_param` as a checked number (see :func:`cfg_float`)."""
+    return cfg_float(config, key, value=rope_param(config, key), default=default, minimum=minimum)
+
+
+# config keys of the attention's sizes, named when a spec built from them is refused
+SIZE_KEYS = ("hidden_size", "n_embd", "d_model", "num_attention_heads", "n_head", "num_key_value_heads",
+             "num_kv_heads", "head_dim", "partial_rotary_factor", "rotary_pct")
+
+
+def config_spec(c: Config, **fields: Any) -> AttentionSpec:
+    """``AttentionSpec(**fields)``; its refusal names the config file and the config's size
+    fields (the spec's own names, ``d_model``, are not what the user wrote)."""
+    try:
+        return AttentionSpec(**fields)
+    except AttnidError as e:
+        given = ", ".join(f"{k}={c[k]!r}" for k in SIZE_KEYS if c.get(k) is not None)
+        raise AttnidError(f"{source_of(c)}: {e} (from {given or 'its defaults'})") from None
 
 
 # ---- layout helpers: nn.Linear weights are [out, in] ----------------------------------
@@ -89,16 +179,16 @@ class Adapter:
 
     # ---- config -> specs ------------------------------------------------------------
     def n_layers(self, c: Config) -> int:
-        return int(cfg(c, "num_hidden_layers", "n_layer", "num_layers"))
+        return cfg_int(c, "num_hidden_layers", "n_layer", "num_layers")
 
     def spec(self, c: Config) -> AttentionSpec:
-        d = int(cfg(c, "hidden_size", "n_embd", "d_model"))
-        H = int(cfg(c, "num_attention_heads", "n_head"))
-        return AttentionSpec(
-            d_model=d, n_heads=H, n_kv_heads=int(cfg(c, "num_key_value_heads", default=H)),
-            head_dim=cfg(c, "head_dim"), bias=self.bias(c), rope=self.rope(c),
-            rope_base=float(rope_param(c, "rope_theta", 10000.0)), qk_norm=self.qk_norm(c),
-            qk_norm_eps=float(cfg(c, "rms_norm_eps", default=1e-6)),
+        d = cfg_int(c, "hidden_size", "n_embd", "d_model")
+        H = cfg_int(c, "num_attention_heads", "n_head")
+        return config_spec(
+            c, d_model=d, n_heads=H, n_kv_heads=cfg_int(c, "num_key_value_heads", default=H),
+            head_dim=cfg_int(c, "head_dim", default=None), bias=self.bias(c), rope=self.rope(c),
+            rope_base=rope_float(c, "rope_theta", 10000.0), qk_norm=self.qk_norm(c),
+            qk_norm_eps=cfg_float(c, "rms_norm_eps", default=1e-6, minimum=0.0),
         )
 
     def specs(self, c: Config) -> list[AttentionSpec]:
@@ -106,10 +196,10 @@ class Adapter:
         return [s] * self.n_layers(c)
 
     def bias(self, c: Config) -> str:
-        return "qkvo" if cfg(c, "attention_bias", default=False) else ""
+        return "qkvo" if cfg_bool(c, "attention_bias") else ""
 
     def rope(self, c: Config) -> float:
-        return float(rope_param(c, "partial_rotary_factor", 1.0))
+        return rope_float(c, "partial_rotary_factor", 1.0, minimum=0.0)
 
     def qk_norm(self, c: Config) -> str:
         return "none"
@@ -121,7 +211,7 @@ class Adapter:
         G = 1 if s.n_kv_heads == 1 else 2
         H = G * (1 if s.group_size == 1 else 2)
         dk = 8 if s.rope_dims and s.pass_dims else 4
-        explicit = cfg(c, "head_dim") is not None and int(cfg(c, "head_dim")) * s.n_heads != s.d_model
+        explicit = s.head_dim * s.n_heads != s.d_model
         d = H * dk + (2 if explicit else 0)
         small = dict(c, hidden_size=d, num_attention_heads=H, num_key_value_heads=G,
                      intermediate_size=2 * d, num_hidden_layers=1, vocab_size=32,
@@ -184,23 +274,23 @@ class Adapter:
     def whole(self, c: Config) -> Structure:
         """The whole model's layout. Default: pre-LN RMSNorm, gated MLP, rotary (Llama)."""
         return Structure(
-            family=self.family, function=function_kind(c), d_model=int(cfg(c, "hidden_size", "n_embd")),
-            vocab=int(c["vocab_size"]), specs=tuple(self.specs(c)), norm="rms", norm_bias=False,
-            eps=float(cfg(c, "rms_norm_eps", "layer_norm_eps", default=1e-6)), layout="pre",
+            family=self.family, function=function_kind(c), d_model=cfg_int(c, "hidden_size", "n_embd"),
+            vocab=cfg_int(c, "vocab_size"), specs=tuple(self.specs(c)), norm="rms", norm_bias=False,
+            eps=cfg_float(c, "rms_norm_eps", "layer_norm_eps", default=1e-6, minimum=0.0), layout="pre",
             shared_norm=False, mlp="gated", d_ff=self.d_ff(c),
-            mlp_bias=bool(cfg(c, "mlp_bias", default=False)), tied=self.tied(c), positions=0,
+            mlp_bias=cfg_bool(c, "mlp_bias"), tied=self.tied(c), positions=0,
             token_types=0, mlm_head=False, pooler=False)
 
     def d_ff(self, c: Config) -> int:
-        d = int(cfg(c, "hidden_size", "n_embd"))
-        return int(cfg(c, "intermediate_size", "n_inner", "ffn_hidden_size", default=4 * d))
+        d = cfg_int(c, "hidden_size", "n_embd")
+        return cfg_int(c, "intermediate_size", "n_inner", "ffn_hidden_size", default=4 * d)
 
     def unsupported_whole(self, c: Config) -> str | None:
         """Why the whole model cannot be counted (None when it can)."""
         return None
 
     def tied(self, c: Config) -> bool:
-        return bool(cfg(c, "tie_word_embeddings", default=self.tie_default))
+        return cfg_bool(c, "tie_word_embeddings", default=self.tie_default)
 
     def unsupported(self, c: Config) -> str | None:
         """Why this config cannot be handled (None when it can)."""
@@ -223,12 +313,54 @@ def _rotary_forward(h: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def hf_config(c: Config) -> Any:
-    """A transformers config object from a config dict (its ``model_type`` picks the class)."""
+    """A transformers config object from a config dict (its ``model_type`` picks the class);
+    a config transformers refuses is refused naming its file."""
     from transformers import AutoConfig
 
     if not c.get("model_type"):
-        raise AttnidError("the config has no 'model_type'; transformers cannot build it")
-    return AutoConfig.for_model(c["model_type"], **{k: v for k, v in c.items() if k != "model_type"})
+        raise AttnidError(f"{source_of(c)} has no 'model_type'; transformers cannot build it")
+    fields = {k: v for k, v in c.items() if k != "model_type"}
+    try:
+        return AutoConfig.for_model(c["model_type"], **{**fields, **_tokens_outside_vocab(c)})
+    except Exception as e:  # transformers refusing a user's fields (see read_hf_config)
+        raise AttnidError(f"{source_of(c)}: transformers refuses it ({type(e).__name__}: {e})") from None
+
+
+def _tokens_outside_vocab(c: Config) -> dict[str, None]:
+    """Special token ids (``bos_token_id``, ``eos_token_id``, ...; given or the class's default)
+    that lie outside a config's vocabulary, as None: a tiny or reduced config keeps GPT-2's
+    50256 with 32 tokens, transformers warns about each, and attnid never generates text.
+    ``pad_token_id`` stays: it is the embedding's padding row, part of the structure."""
+    import dataclasses
+
+    from transformers import CONFIG_MAPPING
+
+    vocab = c.get("vocab_size")
+    # (not .get: transformers' lazy mapping answers None there for classes not yet loaded)
+    cls = CONFIG_MAPPING[c["model_type"]] if c["model_type"] in CONFIG_MAPPING else None  # noqa: SIM401
+    if not isinstance(vocab, int) or cls is None or not dataclasses.is_dataclass(cls):
+        return {}
+    out: dict[str, None] = {}
+    for f in dataclasses.fields(cls):
+        if f.name.endswith("_token_id") and f.name != "pad_token_id":
+            value = c.get(f.name, f.default)
+            if isinstance(value, int) and not 0 <= value < vocab:
+                out[f.name] = None
+    return out
+
+
+def read_hf_config(root: str | Path, c: Config) -> Any:
+    """transformers' own reading of the model directory ``root``'s config.json (through the
+    class its architecture names, as ``from_pretrained`` reads it); a refusal names the file."""
+    import transformers
+
+    cls = getattr(hf_model_class(c), "config_class", None) or transformers.AutoConfig
+    try:
+        return cls.from_pretrained(root)
+    except Exception as e:  # transformers validates a user's fields with whatever
+        # fails first (its strict dataclasses, then AttributeError, IndexError, ... deeper in):
+        # every exception here is its refusal of the file, and is said as such
+        raise AttnidError(f"{source_of(c)}: transformers refuses it ({type(e).__name__}: {e})") from None
 
 
 def hf_model_class(c: Config, *, head: bool = True) -> Any:
@@ -254,7 +386,11 @@ def new_hf_model(c: Config, *, head: bool = True, eager: bool = False) -> nn.Mod
     if eager:
         conf._attn_implementation = "eager"
     cls = hf_model_class(c, head=head)
-    return cls(conf) if cls.__name__ != "AutoModel" else cls.from_config(conf)
+    try:
+        return cls(conf) if cls.__name__ != "AutoModel" else cls.from_config(conf)
+    except Exception as e:  # transformers building a user's config: its refusal (see read_hf_config)
+        raise AttnidError(f"{source_of(c)}: transformers cannot build {cls.__name__} from it "
+                          f"({type(e).__name__}: {e})") from None
 
 
 def build_hf_model(c: Config, *, head: bool = False) -> nn.Module:

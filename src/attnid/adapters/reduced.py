@@ -6,6 +6,7 @@ from typing import Any
 
 from torch import nn
 
+from attnid.adapters.base import Adapter, Config
 from attnid.adapters.config import load_config
 from attnid.adapters.registry import adapter_for
 from attnid.arbiter.compare import Verification, verify_module
@@ -22,6 +23,7 @@ def verify_hf_config(model: str, *, seed: int = 0, confirm: bool | None = None) 
     if not adapter.closed_form:
         raise AttnidError(f"{adapter.family} has no closed form to compare with (attnid lacks "
                           f"{adapter.missing}); `attnid report` shows its numeric count")
+    full = adapter.specs(config)[0]  # the whole config checked before any work
     small = adapter.reduce(config)
     spec = adapter.spec(small)
     module, forward = adapter.hf_attention(small)
@@ -32,17 +34,17 @@ def verify_hf_config(model: str, *, seed: int = 0, confirm: bool | None = None) 
             exact.load_state_dict(m.state_dict())
             return exact
 
-    kwargs: dict[str, Any] = dict(forward=forward, d_model=spec.d_model,
-                                  rtol=EXACT_RTOL[adapter.working_precision])
-    full = adapter.spec(config)
+    rtol = EXACT_RTOL[adapter.working_precision]
     changed = "" if full.group_size == spec.group_size else (
         f"; group size {full.group_size} reduced to {spec.group_size}")
     arch = (config.get("architectures") or [adapter.model_type])[0]
     return verify_module(module, count(spec), label=f"{name} (attention of {arch}, reduced: "
                          f"{spec.describe()}{changed})", seed=seed,
-                         confirm=confirm, without_eps=without_eps, **kwargs)
+                         confirm=confirm, without_eps=without_eps, forward=forward,
+                         d_model=spec.d_model, rtol=rtol)
 
-def numeric_hf_count(adapter: Any, config: dict[str, Any], *, seed: int = 0) -> dict[str, Any]:
+
+def numeric_hf_count(adapter: Adapter, config: Config, *, seed: int = 0) -> dict[str, Any]:
     """The arbiter's count of one attention layer of a *reduced* config, on Hugging Face's own
     class (for families without a closed form). Near-null: the directions that become exactly
     null when the norms' epsilon is 0."""
@@ -50,14 +52,12 @@ def numeric_hf_count(adapter: Any, config: dict[str, Any], *, seed: int = 0) -> 
     module, forward = adapter.hf_attention(small)
     randomize_(module, seed)
     set_norm_eps_(module, 1e-2)  # every norm inside, also those whose eps is hard-coded
-    kw: dict[str, Any] = dict(forward=forward, d_model=int(small["hidden_size"]),
-                              rtol=EXACT_RTOL[adapter.working_precision], seed=seed)
-    found = jacobian_rank(module, without_eps=norms_without_eps, **kw)
+    found = jacobian_rank(module, without_eps=norms_without_eps, forward=forward,
+                          d_model=int(small["hidden_size"]), rtol=EXACT_RTOL[adapter.working_precision],
+                          seed=seed)
     keys = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "q_lora_rank",
             "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
     return {"reduced_config": {k: small[k] for k in keys if small.get(k) is not None},
             "params": found.n_params, "unidentified": found.nullity,
             "near_unidentified": found.near_nullity, "spectral_gap": found.spectral_gap,
             "seconds": found.seconds}
-
-

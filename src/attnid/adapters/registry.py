@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from attnid.adapters.base import Adapter, Config
+from attnid.adapters.config import source_of
 from attnid.errors import AttnidError
 
 _REGISTRY: dict[str, type[Adapter]] = {}
@@ -20,8 +21,22 @@ def supported() -> list[str]:
 
 
 def adapter_for(config: Config) -> Adapter:
-    """The adapter for a config, by its ``architectures`` (or, failing that, ``model_type``)."""
-    for arch in config.get("architectures") or []:
+    """The adapter for a config, by its ``architectures`` (or, failing that, ``model_type``);
+    every refusal names the config's file."""
+    try:
+        return _adapter_for(config)
+    except AttnidError as e:
+        source = source_of(config)
+        raise AttnidError(str(e) if str(e).startswith(source) else f"{source}: {e}") from None
+
+
+def _adapter_for(config: Config) -> Adapter:
+    archs, model_type = config.get("architectures"), config.get("model_type")
+    if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+        raise AttnidError(f"'architectures' must be a list of class names, got {archs!r}")
+    if model_type is not None and not isinstance(model_type, str):
+        raise AttnidError(f"'model_type' must be a string, got {model_type!r}")
+    for arch in archs or []:
         if arch in _REGISTRY:
             adapter = _REGISTRY[arch]()
             break

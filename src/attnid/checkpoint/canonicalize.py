@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
-from attnid.adapters.base import hf_model_class
+from attnid.adapters.base import hf_model_class, read_hf_config
 from attnid.checkpoint.load import Checkpoint, open_checkpoint
 from attnid.errors import AttnidError, require
-from attnid.io import DTYPES, write_streaming
+from attnid.io import DTYPES, weight_files, write_streaming
 from attnid.symmetry.rebalance import drop_key_bias as zero_free_key_bias
 from attnid.symmetry.rebalance import fold_value_bias as fold_value_bias_into_output
 from attnid.symmetry.rebalance import rebalance_qk, rebalance_vo
@@ -52,7 +52,9 @@ def canonicalize(in_dir: str | Path, out_dir: str | Path, *, drop_key_bias: bool
     """
     start = time.perf_counter()
     src, dst = check_out_dir(in_dir, out_dir, force)
+    require("transformers", "hf")  # the result is verified by loading it with transformers
     ck = open_checkpoint(src, purpose="canonicalize")
+    read_hf_config(src, ck.config)  # a config transformers refuses is refused now, not at the end
     ops = Operations(
         drop_key_bias=(any("k" in s.bias and s.qk_norm == "none" and s.pass_dims for s in ck.specs)
                        if drop_key_bias is None else drop_key_bias),
@@ -214,8 +216,19 @@ def _end_to_end(src: Path, out: Path, config: dict[str, Any]) -> float:
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     loader = hf_model_class(config)  # the one resolver of an architecture to its class
+    try:  # transformers reading the user's checkpoint: whatever it raises is its refusal
+        a, info = loader.from_pretrained(src, output_loading_info=True)
+    except Exception as e:
+        raise AttnidError(f"{src / 'config.json'}: transformers cannot load this checkpoint "
+                          f"({type(e).__name__}: {e}); nothing was written") from None
+    if info["missing_keys"]:  # it would fill them at random, and the outputs could not agree
+        missing = sorted(info["missing_keys"], key=lambda k: (k.startswith("lm_head."), k))  # tied last
+        files = ", ".join(str(p) for p in weight_files(src))
+        raise AttnidError(f"{files}: transformers finds no stored tensor for {missing[0]}"
+                          + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+                          + f" of {loader.__name__}; nothing was written")
     try:
-        a = loader.from_pretrained(src).eval()
+        a = a.eval()
         b = loader.from_pretrained(out).eval()
     except Exception as e:
         raise AttnidError(f"refused: transformers could not load the rewritten checkpoint: {e}") from None

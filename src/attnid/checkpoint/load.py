@@ -10,6 +10,7 @@ checkpoint is opened, and every tensor read is checked for NaN and Inf.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 
 from attnid.adapters.base import Adapter
-from attnid.adapters.config import load_config
+from attnid.adapters.config import load_config, source_of
 from attnid.adapters.registry import adapter_for
 from attnid.errors import AttnidError
 from attnid.io import DTYPES, TensorFile, TensorInfo, open_files, weight_prefix
@@ -116,14 +117,26 @@ def open_checkpoint(model: str | Path, *, purpose: str = "read") -> Checkpoint:
     if not adapter.closed_form:
         raise AttnidError(f"cannot {purpose} {adapter.family} checkpoints: attnid lacks {adapter.missing}")
     specs = adapter.specs(config)
+    for s in set(specs):  # sizes no file can hold (and torch cannot even describe)
+        largest = max(math.prod(shape) for shape in s.param_shapes().values())
+        if largest >= 2**62:
+            raise AttnidError(f"{source_of(config)}: its sizes give attention tensors of {largest:.3g} "
+                              f"elements ({s.describe()}), more than any checkpoint holds")
     index = open_files(root, files)
-    prefix = weight_prefix(index, adapter.names(0, specs[0])[0])
+    where = _where(root, files, index)
+    first = adapter.names(0, specs[0])[0]
+    try:
+        prefix = weight_prefix(index, first)
+    except AttnidError:
+        raise AttnidError(f"{where} holds no tensor named like {first!r}, the first attention tensor "
+                          f"of {adapter.family}: wrong architecture in {source_of(config)}?") from None
     ck = Checkpoint(path=path, root=root, config=config, adapter=adapter, specs=specs, index=index,
                     prefix=prefix)
     for i in range(ck.n_layers):
         for n, shape in stored_shapes(adapter, specs[i], i).items():
             if prefix + n not in index:
-                raise AttnidError(f"{model} lacks {prefix + n} (layer {i} of {adapter.family})")
+                raise AttnidError(f"{where} lacks tensor {prefix + n} (layer {i} of the {ck.n_layers} "
+                                  f"{adapter.family} layers that {source_of(config)} gives)")
             info = ck.info(prefix + n)
             if info.dtype not in DTYPES:
                 raise AttnidError(f"{index[prefix + n].path}: tensor {prefix + n} is stored as "
@@ -133,6 +146,12 @@ def open_checkpoint(model: str | Path, *, purpose: str = "read") -> Checkpoint:
                 raise AttnidError(f"{index[prefix + n].path}: tensor {prefix + n} has shape "
                                   f"{list(info.shape)}, but config.json makes it {list(shape)}")
     return ck
+
+
+def _where(root: Path, files: list[Path] | None, index: dict[str, TensorFile]) -> str:
+    """The weight files, for a refusal: the one file, or the directory's shards."""
+    paths = sorted({f.path for f in index.values()} | set(files or []))
+    return str(paths[0]) if len(paths) == 1 else f"{root} (shards {', '.join(p.name for p in paths)})"
 
 
 def stored_shapes(adapter: Adapter, spec: AttentionSpec, i: int) -> dict[str, tuple[int, ...]]:

@@ -7,9 +7,12 @@ module imports what it needs inside the command, so ``--help`` stays fast.
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import typer
+import typer.main
+from typer.core import TyperGroup
 from typer.exceptions import TyperException
 
 from attnid.cli import audit, canonicalize, diff, identify, reproduce, training  # noqa: F401  (register commands)
@@ -21,10 +24,10 @@ __all__ = ["app", "main"]
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: runs the app and maps user errors to one ``error:`` line, exit 2."""
-    try:
-        code = app(args=argv, standalone_mode=False)  # click returns an Exit's code here
+    try:  # click returns an Exit's code here
+        code = _command().main(args=argv, standalone_mode=False, prog_name="attnid")
     except AttnidError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {one_line(str(e))}", file=sys.stderr)
         return 2
     except typer.Exit as e:
         return e.exit_code
@@ -33,12 +36,30 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except TyperException as e:  # bad flags, missing arguments (click's usage errors)
         message = e.format_message() if hasattr(e, "format_message") else str(e)
-        print(f"error: {message}", file=sys.stderr)
+        print(f"error: {one_line(message)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
     return code if isinstance(code, int) else 0
+
+
+def one_line(message: str) -> str:
+    r"""A message on one line (a library's multi-line refusal joined with "; ").
+
+    >>> one_line("Validation error for field 'x':\n    TypeError: expected bool")
+    "Validation error for field 'x': TypeError: expected bool"
+    """
+    parts = [p.strip() for p in message.splitlines() if p.strip()]
+    return " ".join(p if p.endswith(":") or i == len(parts) - 1 else p + ";"
+                    for i, p in enumerate(parts))
+
+
+@functools.cache
+def _command() -> TyperGroup:
+    """The click command tree, built once (typer rebuilds it on every ``app()`` call: ~0.1 s,
+    which adds up where the CLI is called in process, as in the tests)."""
+    return typer.main.get_command(app)
 
 
 if __name__ == "__main__":

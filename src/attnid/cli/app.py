@@ -66,9 +66,19 @@ def _print_rows(rows: list[dict], title: str) -> None:
     for k in keys:
         table.add_column(k, justify="left" if k in ("model", "family", "bias") else "right")
     for r in rows:
-        table.add_row(*[f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v)
-                        for v in (r[k] for k in keys)])
+        table.add_row(*[_cell(r[k]) for k in keys])
     console().print(table)
+
+
+def _cell(v: Any) -> str:
+    """A table cell: ints with separators, floats to 4 significant digits, "n/a" for None."""
+    if v is None:
+        return "n/a"
+    if isinstance(v, int) and not isinstance(v, bool):
+        return f"{v:,}"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
 
 
 def print_count_dict(d: dict, title: str) -> None:

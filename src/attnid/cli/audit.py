@@ -15,7 +15,9 @@ if TYPE_CHECKING:
 @app.command("audit")
 def audit_cmd(
     model: Annotated[str, typer.Argument(help="Model directory, config.json, or .safetensors file.")],
-    plot: Annotated[str | None, typer.Option("--plot", help="Write a PNG heat map (layers x heads).")] = None,
+    plot: Annotated[str | None, typer.Option(
+        "--plot", help="Write a heat map (layers x heads); the suffix picks the format: .png, .svg, "
+        ".pdf or another that matplotlib writes.")] = None,
     json_out: Json = False,
 ) -> None:
     """How far a checkpoint sits from its balanced point, per layer and head (never modifies it).
@@ -26,12 +28,13 @@ def audit_cmd(
     from pathlib import Path
 
     from attnid.checkpoint.audit import audit, heat_map
-    from attnid.errors import AttnidError, require
+    from attnid.errors import AttnidError, require_extras
 
+    require_extras("hf", *(["report"] if plot else []), what="attnid audit" + (" --plot" if plot else ""))
     if plot:  # refuse before the work, not after it
-        require("matplotlib", "report")
         if not Path(plot).resolve().parent.is_dir():
             raise AttnidError(f"--plot {plot}: its folder does not exist")
+        _check_format(plot)
     report = audit(model)
     if plot:
         heat_map(report, plot)
@@ -39,6 +42,23 @@ def audit_cmd(
         emit_json(report.to_dict())
         return
     _print(report)
+
+
+def _check_format(plot: str) -> None:
+    """The file's suffix must name a format matplotlib writes (it would silently write PNG
+    for no suffix, and fail after the work for an unknown one)."""
+    from pathlib import Path
+
+    from matplotlib.figure import Figure
+
+    from attnid.errors import AttnidError
+
+    formats = sorted(Figure().canvas.get_supported_filetypes())
+    suffix = Path(plot).suffix.lower().lstrip(".")
+    if suffix not in formats:
+        said = "has no suffix" if not suffix else f"has the suffix .{suffix}, which matplotlib does not write"
+        raise AttnidError(f"--plot {plot} {said}; the suffix picks the format: "
+                          f"{', '.join('.' + f for f in formats)}")
 
 
 def _print(report: Audit) -> None:

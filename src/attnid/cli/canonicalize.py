@@ -29,7 +29,9 @@ def canonicalize_cmd(
     Default: every operation that applies to the architecture.
     """
     from attnid.checkpoint.canonicalize import canonicalize
+    from attnid.errors import require_extras
 
+    require_extras("hf", what="attnid canonicalize")
     result = canonicalize(in_dir, out_dir, drop_key_bias=drop_key_bias,
                           fold_value_bias=fold_value_bias, balance=balance, fold_norms=fold_norms,
                           force=force)

@@ -19,7 +19,9 @@ def diff_cmd(
     """Is B the function of A up to the attention symmetries? Exit 0: certified to the dtype's
     rounding; exit 1: not, and the layer, tensor and size of the break are named."""
     from attnid.checkpoint.diff import diff
+    from attnid.errors import require_extras
 
+    require_extras("hf", what="attnid diff")
     r = diff(model_a, model_b)
     if json_out:
         emit_json(r)

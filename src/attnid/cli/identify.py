@@ -82,10 +82,9 @@ def verify_cmd(
         return
     if hf_config is not None:
         from attnid.adapters.reduced import verify_hf_config
-        from attnid.errors import require
+        from attnid.errors import require_extras
 
-        require("transformers", "hf")
-
+        require_extras("hf", what="attnid verify --hf-config")
         result = verify_hf_config(hf_config, seed=seed, confirm=confirm)
     else:
         if d_model is None or n_heads is None:
@@ -114,9 +113,9 @@ def verify_cmd(
 
 
 def _verify_whole(hf_config: str, seed: int, confirm: bool, json_out: bool) -> None:
-    from attnid.errors import require
+    from attnid.errors import require_extras
 
-    require("transformers", "hf")
+    require_extras("hf", what="attnid verify --hf-config --whole")
     from attnid.whole.check import verify_whole_hf_config
 
     result = verify_whole_hf_config(hf_config, seed=seed, confirm=confirm)
@@ -144,22 +143,34 @@ def report_cmd(
     model: Annotated[str | None, typer.Argument(
         help="config.json, model directory, or bundled name.")] = None,
     all_models: Annotated[bool, typer.Option("--all", help="Compare every bundled model.")] = False,
+    wide: Annotated[bool, typer.Option(
+        "--wide", help="With --all: every column (the spec, the QK counts, the parameters).")] = False,
     json_out: Json = False,
 ) -> None:
     """Identification counts for a real model: per layer, in total, and the breakdown."""
-    from attnid.report.models import all_reports, model_report, summary_row
+    from attnid.errors import require_extras
+    from attnid.progress import Progress
+    from attnid.report.models import all_reports, model_report, narrow_row, summary_row
 
     if all_models and model is not None:
         raise AttnidError("give either a MODEL or --all, not both")
-    if all_models:
-        rows = [summary_row(r) for r in all_reports()]
-        if json_out:
-            emit_json(rows)
-        else:
-            _print_rows(rows, "attention and whole-model identification across model families")
-        return
-    if model is None:
+    if wide and not all_models:
+        raise AttnidError("--wide is for the --all table")
+    if not all_models and model is None:
         raise AttnidError("give a MODEL (config.json, model directory or bundled name) or --all")
+    require_extras("hf", what="attnid report")  # parameter totals, numeric and whole-model counts
+    if all_models:
+        with Progress() as progress:
+            reports = all_reports(progress)
+        if json_out:
+            emit_json([summary_row(r) for r in reports])
+        elif wide:
+            _print_rows([summary_row(r) for r in reports],
+                        "attention and whole-model identification across model families")
+        else:
+            _print_rows([narrow_row(r) for r in reports], "identification across model families "
+                        "(--wide: every column)")
+        return
     rep = model_report(model)
     if json_out:
         emit_json(rep)

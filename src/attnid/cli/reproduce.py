@@ -19,9 +19,9 @@ def reproduce_cmd(
 
     Progress goes to stderr: a live status on a terminal, timestamped lines otherwise.
     """
-    from attnid.errors import require
+    from attnid.errors import require_extras
 
-    require("matplotlib", "report")
+    require_extras("hf", "report", what="attnid reproduce")  # before any work: nothing written
     from attnid.progress import Progress
     from attnid.report.reproduce import reproduce
 

@@ -97,9 +97,9 @@ def experiment_paper(
     """The paper's four cases and SGD sweep (plus RoPE, GQA, projection): figures and tables."""
     from pathlib import Path
 
-    from attnid.errors import require
+    from attnid.errors import require_extras
 
-    require("matplotlib", "report")
+    require_extras("report", what="attnid experiment paper")
     from attnid.progress import Progress
     from attnid.report.document import write_table
     from attnid.report.training import training_section

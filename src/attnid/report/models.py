@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from attnid.adapters.base import Adapter
 from attnid.adapters.config import bundled, load_config
@@ -11,26 +11,32 @@ from attnid.adapters.registry import adapter_for
 from attnid.spec import AttentionSpec
 from attnid.theory import count
 
+if TYPE_CHECKING:
+    from attnid.adapters.base import Adapter
+    from attnid.progress import Progress
+
 
 def model_params(config: dict[str, Any]) -> int | None:
     """The whole model's parameter count, from its config (built on the meta device: no
-    memory; tied weights counted once)."""
+    memory; tied weights counted once); None when transformers refuses the config (said as
+    an AttnidError by `attnid.adapters.base.hf_config`): its attention is still countable."""
     import torch
 
     from attnid.adapters.base import new_hf_model
+    from attnid.errors import AttnidError
 
     try:
         with torch.device("meta"):
             model = new_hf_model(config)
-        seen: set[int] = set()
-        total = 0
-        for p in model.parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                total += p.numel()
-        return total
-    except Exception:  # a config transformers cannot build is still countable for attention
+    except AttnidError:
         return None
+    seen: set[int] = set()
+    total = 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel()
+    return total
 
 
 def whole_model(config: dict[str, Any]) -> dict[str, Any]:
@@ -117,8 +123,15 @@ def model_report(model: str, *, with_params: bool = True) -> dict[str, Any]:
     }
 
 
-def all_reports() -> list[dict[str, Any]]:
-    return [model_report(n) for n in bundled()]
+def all_reports(progress: Progress | None = None) -> list[dict[str, Any]]:
+    """``model_report`` of every bundled model (``progress`` shows each as a run)."""
+    names = bundled()
+    out = []
+    for i, name in enumerate(names):
+        if progress is not None:
+            progress.run(i + 1, len(names), name)
+        out.append(model_report(name))
+    return out
 
 
 def _whole_cells(r: dict[str, Any]) -> dict[str, Any]:
@@ -162,3 +175,24 @@ def summary_row(r: dict[str, Any]) -> dict[str, Any]:
         "numeric_reduced": None,
         "model_params": r["model_params"], **_whole_cells(r),
     }
+
+
+def narrow_row(r: dict[str, Any]) -> dict[str, Any]:
+    """One row of ``report --all``'s default table, what fits 100 columns: the unidentified
+    ratio of attention and of the whole model, and attention's near-unidentified count (all
+    layers). Families without a closed form show the arbiter's count on a reduced layer or
+    model, marked "(reduced)"."""
+    w = r.get("whole_model") or {}
+    if r["closed_form"]:
+        a = r["attention"]
+        ratio, near = a["ratio"], a["near_unidentified"]
+    else:
+        nr = r["numeric_reduced"]
+        ratio = f"{nr['unidentified'] / nr['params']:.4g} (reduced)"
+        near = f"{nr['near_unidentified']} (reduced)"
+    whole = None
+    if w.get("unidentified") is not None:
+        whole = w["ratio"] if w["method"] == "closed form" else (
+            f"{w['unidentified'] / w['total']:.4g} (reduced)")
+    return {"model": r["model"], "layers": r["n_layers"], "attention ratio": ratio,
+            "whole-model ratio": whole, "near-unidentified": near}

@@ -4,7 +4,7 @@ from dataclasses import replace
 
 from torch import nn
 
-from attnid.adapters.base import Adapter, Config, cfg, find_first
+from attnid.adapters.base import Adapter, Config, cfg, cfg_float, cfg_int, find_first
 from attnid.adapters.registry import register
 from attnid.structure import Structure
 
@@ -44,10 +44,10 @@ class Bert(Adapter):
         arch = (c.get("architectures") or [""])[0]
         act = str(cfg(c, "hidden_act", default="gelu"))
         return replace(super().whole(c), norm="layer", norm_bias=True,
-                       eps=float(cfg(c, "layer_norm_eps", default=1e-12)), layout="post",
+                       eps=cfg_float(c, "layer_norm_eps", default=1e-12, minimum=0.0), layout="post",
                        mlp="relu" if act == "relu" else "gelu", mlp_bias=True,
-                       positions=int(cfg(c, "max_position_embeddings", default=512)),
-                       token_types=int(cfg(c, "type_vocab_size", default=2)),
+                       positions=cfg_int(c, "max_position_embeddings", default=512),
+                       token_types=cfg_int(c, "type_vocab_size", default=2, positive=False),
                        mlm_head=arch.endswith("ForMaskedLM"), pooler=arch.endswith("Model"))
 
     def attention_of(self, model):
@@ -65,4 +65,4 @@ class Roberta(Bert):
     def whole(self, c: Config) -> Structure:
         """As BERT, but a token's position row is padding_idx + (non-pad tokens so far): the
         rows below padding_idx are never read, and the pad token always sits at row padding_idx."""
-        return replace(super().whole(c), padding_idx=int(cfg(c, "pad_token_id", default=1)))
+        return replace(super().whole(c), padding_idx=cfg_int(c, "pad_token_id", default=1, positive=False))

@@ -5,7 +5,18 @@ from dataclasses import replace
 
 import torch
 
-from attnid.adapters.base import Adapter, Config, cfg, fused_names, merge_heads_out, split_heads_out
+from attnid.adapters.base import (
+    Adapter,
+    Config,
+    cfg_bool,
+    cfg_float,
+    cfg_int,
+    config_spec,
+    fused_names,
+    merge_heads_out,
+    rope_float,
+    split_heads_out,
+)
 from attnid.adapters.registry import register
 from attnid.spec import AttentionSpec
 from attnid.structure import Structure
@@ -21,22 +32,22 @@ class Falcon(Adapter):
     tie_default = True
 
     def n_layers(self, c: Config) -> int:
-        return int(cfg(c, "num_hidden_layers", "n_layer"))
+        return cfg_int(c, "num_hidden_layers", "n_layer")
 
     def spec(self, c: Config) -> AttentionSpec:
-        d = int(cfg(c, "hidden_size"))
-        H = int(cfg(c, "num_attention_heads", "n_head"))
-        if cfg(c, "new_decoder_architecture", default=False):
-            G = int(cfg(c, "num_kv_heads", default=H))
+        d = cfg_int(c, "hidden_size")
+        H = cfg_int(c, "num_attention_heads", "n_head")
+        if cfg_bool(c, "new_decoder_architecture"):
+            G = cfg_int(c, "num_kv_heads", default=H)
         else:
-            G = 1 if cfg(c, "multi_query", default=True) else H
-        return AttentionSpec(d_model=d, n_heads=H, n_kv_heads=G,
-                             bias="qkvo" if cfg(c, "bias", default=False) else "",
-                             rope=0.0 if cfg(c, "alibi", default=False) else 1.0,
-                             rope_base=float(cfg(c, "rope_theta", default=10000.0)))
+            G = 1 if cfg_bool(c, "multi_query", default=True) else H
+        return config_spec(c, d_model=d, n_heads=H, n_kv_heads=G,
+                           bias="qkvo" if cfg_bool(c, "bias") else "",
+                           rope=0.0 if cfg_bool(c, "alibi") else 1.0,
+                           rope_base=rope_float(c, "rope_theta", 10000.0))
 
     def unsupported(self, c: Config) -> str | None:
-        if cfg(c, "alibi", default=False):
+        if cfg_bool(c, "alibi"):
             return "Falcon with ALiBi positions is not supported (only rotary Falcon models)"
         return None
 
@@ -46,20 +57,19 @@ class Falcon(Adapter):
         H = 4 if s.n_kv_heads == 1 else 2 * G if s.group_size > 1 else 2
         small = dict(c, hidden_size=4 * H, num_attention_heads=H, num_hidden_layers=1, vocab_size=32,
                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
-        if "num_kv_heads" in c or cfg(c, "new_decoder_architecture", default=False):
+        if "num_kv_heads" in c or cfg_bool(c, "new_decoder_architecture"):
             small["num_kv_heads"] = G if s.n_kv_heads != s.n_heads else H
         return small
 
     def whole(self, c: Config) -> Structure:
-        parallel = bool(cfg(c, "parallel_attn", default=True)) or bool(
-            cfg(c, "new_decoder_architecture", default=False))
+        new = cfg_bool(c, "new_decoder_architecture")
+        parallel = cfg_bool(c, "parallel_attn", default=True) or new
         # the new decoder layout has ln_attn and ln_mlp unless num_ln_in_parallel_attn == 1
-        shared = parallel and (not cfg(c, "new_decoder_architecture", default=False)
-                               or cfg(c, "num_ln_in_parallel_attn", default=2) == 1)
+        shared = parallel and (not new or cfg_int(c, "num_ln_in_parallel_attn", default=2) == 1)
         return replace(super().whole(c), norm="layer", norm_bias=True,
-                       eps=float(cfg(c, "layer_norm_epsilon", default=1e-5)),
+                       eps=cfg_float(c, "layer_norm_epsilon", default=1e-5, minimum=0.0),
                        layout="parallel" if parallel else "pre", shared_norm=shared, mlp="gelu",
-                       mlp_bias=bool(cfg(c, "bias", default=False)))
+                       mlp_bias=cfg_bool(c, "bias"))
 
     def names(self, i: int, spec: AttentionSpec) -> list[str]:
         return fused_names(self.layer_prefix.format(i=i), "self_attention", bool(spec.bias))

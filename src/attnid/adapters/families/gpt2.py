@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import torch
 
-from attnid.adapters.base import Adapter, Config, cfg, find_first
+from attnid.adapters.base import Adapter, Config, cfg, cfg_float, cfg_int, find_first
 from attnid.adapters.registry import register
 from attnid.spec import AttentionSpec
 from attnid.structure import Structure
@@ -33,9 +33,9 @@ class GPT2(Adapter):
     def whole(self, c: Config) -> Structure:
         act = str(cfg(c, "activation_function", default="gelu_new"))
         return replace(super().whole(c), norm="layer", norm_bias=True,
-                       eps=float(cfg(c, "layer_norm_epsilon", default=1e-5)),
+                       eps=cfg_float(c, "layer_norm_epsilon", default=1e-5, minimum=0.0),
                        mlp="relu" if act == "relu" else "gelu", mlp_bias=True,
-                       positions=int(cfg(c, "n_positions", "max_position_embeddings")))
+                       positions=cfg_int(c, "n_positions", "max_position_embeddings"))
 
     def names(self, i: int, spec: AttentionSpec) -> list[str]:
         p = self.layer_prefix.format(i=i)

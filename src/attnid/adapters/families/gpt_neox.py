@@ -9,8 +9,13 @@ from attnid.adapters.base import (
     Adapter,
     Config,
     cfg,
+    cfg_bool,
+    cfg_float,
+    cfg_int,
+    config_spec,
     fused_names,
     merge_heads_out,
+    rope_float,
     rope_param,
     split_heads_out,
 )
@@ -28,19 +33,21 @@ class GPTNeoX(Adapter):
     working_precision = "float32"  # its eager attention upcasts to float32 internally
 
     def bias(self, c: Config) -> str:
-        return "qkvo" if cfg(c, "attention_bias", default=True) else ""
+        return "qkvo" if cfg_bool(c, "attention_bias", default=True) else ""
 
     def rope(self, c: Config) -> float:
-        frac = float(cfg(c, "rotary_pct", default=rope_param(c, "partial_rotary_factor", 1.0)))
-        dk = int(cfg(c, "hidden_size")) // int(cfg(c, "num_attention_heads"))
+        frac = cfg_float(c, "rotary_pct", default=rope_float(c, "partial_rotary_factor", 1.0), minimum=0.0)
+        dk = cfg_int(c, "hidden_size") // cfg_int(c, "num_attention_heads")
+        if dk == 0:  # more heads than width: the spec refuses it, naming the fields
+            return 0.0
         r = int(dk * frac)  # GPT-NeoX truncates
         return (r - r % 2) / dk
 
     def spec(self, c: Config) -> AttentionSpec:
         s = super().spec(c)
-        base = cfg(c, "rotary_emb_base", default=None)  # the older key for rope_theta
+        base = cfg_float(c, "rotary_emb_base", default=None)  # the older key for rope_theta
         if base is not None and rope_param(c, "rope_theta") is None:
-            s = AttentionSpec(**{**s.to_dict(), "rope_base": float(base)})
+            s = config_spec(c, **{**s.to_dict(), "rope_base": base})
         return s
 
     def reduce(self, c: Config) -> Config:
@@ -52,8 +59,8 @@ class GPTNeoX(Adapter):
     def whole(self, c: Config) -> Structure:
         act = str(cfg(c, "hidden_act", default="gelu"))
         return replace(super().whole(c), norm="layer", norm_bias=True,
-                       eps=float(cfg(c, "layer_norm_eps", default=1e-5)),
-                       layout="parallel" if cfg(c, "use_parallel_residual", default=True) else "pre",
+                       eps=cfg_float(c, "layer_norm_eps", default=1e-5, minimum=0.0),
+                       layout="parallel" if cfg_bool(c, "use_parallel_residual", default=True) else "pre",
                        mlp="relu" if act == "relu" else "gelu", mlp_bias=True)
 
     def names(self, i: int, spec: AttentionSpec) -> list[str]:
