@@ -99,6 +99,18 @@ def test_arbiter_on_hugging_face_class_agrees(name):
         adapter_for(load_config(name)[1]).reduce(load_config(name)[1]))).total
 
 
+def test_softmax_in_float32_does_not_hide_the_value_bias_translation(tmp_path):
+    # measured: without Float64Mode, Hugging Face's float32 softmax sank the value-bias
+    # translation of a Llama with attention_bias (arbiter 40 against the closed form's 48,
+    # spectral gap 1e7); computed in float64 the two agree with a wide gap
+    _, c = load_config("Llama-2-7b")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dict(c, attention_bias=True)))
+    d = verify_hf_config(str(path), confirm=False).to_dict()
+    assert d["unidentified_theory"] == 48, d
+    assert d["agree"] and d["spectral_gap"] > 1e9, d
+
+
 def test_verify_hf_config_cli(capsys):
     assert main(["verify", "--hf-config", "Qwen2.5-7B", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)

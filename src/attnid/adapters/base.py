@@ -173,7 +173,6 @@ class Adapter:
     v: ClassVar[str] = "self_attn.v_proj"
     o: ClassVar[str] = "self_attn.o_proj"
     layer_prefix: ClassVar[str] = "layers.{i}."
-    working_precision: ClassVar[str] = "float64"  # "float32" where kernels downcast
     closed_form: ClassVar[bool] = True  # False: counted numerically on a reduced config only
     missing: ClassVar[str] = ""  # what attnid lacks for such a family (said in every refusal)
 

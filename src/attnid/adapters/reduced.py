@@ -10,7 +10,8 @@ from attnid.adapters.base import Adapter, Config
 from attnid.adapters.config import load_config
 from attnid.adapters.registry import adapter_for
 from attnid.arbiter.compare import Verification, verify_module
-from attnid.arbiter.rank import EXACT_RTOL, jacobian_rank, norms_without_eps, randomize_, set_norm_eps_
+from attnid.arbiter.precision import in_float64
+from attnid.arbiter.rank import jacobian_rank, norms_without_eps, randomize_, set_norm_eps_
 from attnid.errors import AttnidError
 from attnid.theory import count
 
@@ -34,14 +35,13 @@ def verify_hf_config(model: str, *, seed: int = 0, confirm: bool | None = None) 
             exact.load_state_dict(m.state_dict())
             return exact
 
-    rtol = EXACT_RTOL[adapter.working_precision]
     changed = "" if full.group_size == spec.group_size else (
         f"; group size {full.group_size} reduced to {spec.group_size}")
     arch = (config.get("architectures") or [adapter.model_type])[0]
     return verify_module(module, count(spec), label=f"{name} (attention of {arch}, reduced: "
                          f"{spec.describe()}{changed})", seed=seed,
-                         confirm=confirm, without_eps=without_eps, forward=forward,
-                         d_model=spec.d_model, rtol=rtol)
+                         confirm=confirm, without_eps=without_eps, forward=in_float64(forward),
+                         d_model=spec.d_model)
 
 
 def numeric_hf_count(adapter: Adapter, config: Config, *, seed: int = 0) -> dict[str, Any]:
@@ -52,8 +52,8 @@ def numeric_hf_count(adapter: Adapter, config: Config, *, seed: int = 0) -> dict
     module, forward = adapter.hf_attention(small)
     randomize_(module, seed)
     set_norm_eps_(module, 1e-2)  # every norm inside, also those whose eps is hard-coded
-    found = jacobian_rank(module, without_eps=norms_without_eps, forward=forward,
-                          d_model=int(small["hidden_size"]), rtol=EXACT_RTOL[adapter.working_precision],
+    found = jacobian_rank(module, without_eps=norms_without_eps, forward=in_float64(forward),
+                          d_model=int(small["hidden_size"]),
                           seed=seed)
     keys = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "q_lora_rank",
             "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")

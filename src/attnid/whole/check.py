@@ -21,33 +21,17 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from attnid.adapters.base import build_hf_model
 from attnid.adapters.config import load_config
 from attnid.adapters.registry import adapter_for
 from attnid.arbiter.compare import CLEAR_GAP
+from attnid.arbiter.precision import Float64Mode
 from attnid.arbiter.rank import ArbiterResult, jacobian_rank, norms_without_eps, randomize_
 from attnid.errors import AttnidError
 from attnid.structure import function_kind
 from attnid.theory import Component
 from attnid.theory.whole import WholeCount, count_structure
-
-_F32 = (torch.float32, torch.float16, torch.bfloat16)
-
-
-class Float64Mode(TorchFunctionMode):
-    """Every cast to a lower floating precision (``.float()``, ``.to(float32)``, ``dtype=``)
-    stays float64: the model's own function, computed without rounding."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if func in (torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16):
-            return args[0].to(torch.float64)
-        if kwargs.get("dtype") in _F32:
-            kwargs["dtype"] = torch.float64
-        args = tuple(torch.float64 if isinstance(a, torch.dtype) and a in _F32 else a for a in args)
-        return func(*args, **kwargs)
 
 
 def tiny_model(config: dict[str, Any], seed: int = 0) -> nn.Module:

@@ -11,7 +11,6 @@ class DeepSeekV3(Adapter):
     model_type = "deepseek_v3"
     family = "DeepSeek-V3"
     closed_form = False
-    working_precision = "float32"  # its latent RMSNorms compute in float32
     missing = "a closed form and canonical layout for multi-head latent attention"
 
     def reduce(self, c: Config) -> Config:

@@ -30,7 +30,6 @@ class GPTNeoX(Adapter):
     architectures = ("GPTNeoXForCausalLM", "GPTNeoXModel")
     model_type = "gpt_neox"
     family = "GPT-NeoX"
-    working_precision = "float32"  # its eager attention upcasts to float32 internally
 
     def bias(self, c: Config) -> str:
         return "qkvo" if cfg_bool(c, "attention_bias", default=True) else ""

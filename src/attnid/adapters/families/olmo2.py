@@ -11,7 +11,6 @@ class Olmo2(Adapter):
     model_type = "olmo2"
     family = "OLMo2"
     closed_form = False
-    working_precision = "float32"  # its RMSNorm computes in float32
     missing = "a closed form and canonical layout for QK-norm over all heads together"
 
     def reduce(self, c: Config) -> Config:
