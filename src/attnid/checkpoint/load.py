@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from attnid.adapters.base import Adapter
+from attnid.adapters.base import Adapter, stored_shapes
 from attnid.adapters.config import load_config
 from attnid.adapters.registry import adapter_for
 from attnid.errors import AttnidError
@@ -133,11 +133,3 @@ def open_checkpoint(model: str | Path, *, purpose: str = "read") -> Checkpoint:
                 raise AttnidError(f"{index[prefix + n].path}: tensor {prefix + n} has shape "
                                   f"{list(info.shape)}, but config.json makes it {list(shape)}")
     return ck
-
-
-def stored_shapes(adapter: Adapter, spec: AttentionSpec, i: int) -> dict[str, tuple[int, ...]]:
-    """The shape of every tensor of layer ``i``'s attention as the adapter stores it (worked
-    out on the meta device: no memory)."""
-    with torch.device("meta"):
-        w = AttentionWeights.from_tensors(spec, {n: torch.empty(s) for n, s in spec.param_shapes().items()})
-        return {n: tuple(t.shape) for n, t in adapter.write(w, i).items()}
