@@ -161,10 +161,11 @@ class Monitor:
         yield
         self.end()
 
-    def begin(self) -> None:
+    def begin(self, *, grads: bool = True) -> None:
         """Before an update: read the bias gradients and the current point. For loops whose
-        hooks cannot wrap the update in one block (a `Trainer` callback)."""
-        self._grads = self._bias_grads()
+        hooks cannot wrap the update in one block (a `Trainer` callback). ``grads=False``:
+        called before the backward pass (there are no gradients yet): no gradient norms."""
+        self._grads = self._bias_grads() if grads else {}
         # usually the last end point itself: no copy, its Gram matrices and spectra known
         spare = self._spare(self._after)
         self._before = self._keep(self.batches.snapshot(unless_equal=self._after, into=spare), spare)

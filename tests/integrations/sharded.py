@@ -6,8 +6,9 @@ Trainer callback on a tiny Hugging Face Llama, sharded over the processes of a t
 
 Each case writes ``OUT/<case>.rank<r>.json`` on every rank: the Monitor's record of every step
 (``Monitor.last``). Every rank trains on the same batch, so a sharded run must report what the
-one-process run (:func:`run` with ``world=1``) reports. ``trainer`` runs ``Trainer`` with
-``fsdp`` and the callback (output in ``OUT/trainer/``); its batches are split between the ranks
+one-process run (:func:`run` with ``world=1``) reports. ``trainer-fsdp2`` and
+``trainer-zero3`` run ``Trainer`` (FSDP2, DeepSpeed ZeRO-3) with the callback (its jsonl in
+``OUT/<case>/``); their batches are split between the ranks
 as Trainer splits them, and its one-process equivalent (:func:`run_trainer` with ``world=1``)
 takes both halves in one batch.
 """
@@ -28,8 +29,8 @@ from attnid.monitor import Corrector, Monitor
 STEPS = 3
 EPS = 1e-3  # AdamW's eps: large enough that its step is smooth in the gradient (see run)
 CASES = ("fsdp2", "fsdp2-before", "fsdp2-project", "fsdp2-rebalance", "fsdp1", "fsdp1-before", "ddp",
-         "trainer")
-ZERO3 = ("zero3", "zero3-project")  # need deepspeed
+         "trainer-fsdp2")
+ZERO3 = ("zero3", "zero3-project", "zero3-persistent-project", "trainer-zero3")  # need deepspeed
 
 
 def tiny_llama() -> transformers.LlamaForCausalLM:
@@ -65,9 +66,9 @@ def _fsdp1(model):
 def run(case: str, world: int) -> list[dict]:
     """The Monitor's records of ``STEPS`` AdamW steps (``world=1``: no sharding, the reference)."""
     before = case.endswith("-before")
-    correction = case.split("-")[1] if case.split("-")[-1] in ("project", "rebalance") else "off"
+    correction = case.split("-")[-1] if case.split("-")[-1] in ("project", "rebalance") else "off"
     if case.startswith("zero3"):
-        return _run_zero3(correction)
+        return _run_zero3(correction, persistent="-persistent" in case)
     model = tiny_llama()
     if before:
         monitor, corrector = Monitor(model), Corrector(model, correction)
@@ -93,16 +94,19 @@ def run(case: str, world: int) -> list[dict]:
     return records
 
 
-def _run_zero3(correction: str) -> list[dict]:
+def _run_zero3(correction: str, persistent: bool) -> list[dict]:
     """ZeRO-3's AdamW steps differ from torch's in one process beyond rounding (its gradients
     are scaled differently), so the reference is DeepSpeed's own view of the same weights: an
     unsharded twin that gets them, gathered by ``deepspeed.zero.GatheredParameters``, before
-    and after each step and is measured by its own Monitor (``reference`` in each record)."""
+    and after each step and is measured by its own Monitor (``reference`` in each record).
+    ``persistent``: DeepSpeed's default keeps small parameters (all of this model's) whole on
+    every process besides their partition; otherwise every parameter is only partitioned."""
     import deepspeed
 
     model = tiny_llama()
     monitor, corrector = Monitor(model), Corrector(model, correction)  # before ZeRO-3 partitions
-    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 3},
+    zero = {"stage": 3} if persistent else {"stage": 3, "stage3_param_persistence_threshold": 0}
+    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": zero,
               "optimizer": {"type": "AdamW",
                             "params": {"lr": 1e-2, "weight_decay": 0.1, "eps": EPS, "torch_adam": True}}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -137,22 +141,30 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids}
 
 
-def run_trainer(out: Path, world: int, correction: str = "off") -> str:
-    """Trainer (FSDP2 through accelerate when ``world > 1``) with the callback, writing
-    ``out/attnid_metrics.jsonl``; returns the class of the trained attention weights."""
+SHARDING = {  # Trainer arguments
+    "fsdp2": {"fsdp": True, "fsdp_config": {"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}},
+    "zero3": {"deepspeed": {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+                            "gradient_accumulation_steps": "auto", "zero_optimization": {"stage": 3}}},
+}
+
+
+def run_trainer(out: Path, world: int, sharding: str = "fsdp2") -> str:
+    """Trainer (sharded by FSDP2 through accelerate, or DeepSpeed ZeRO-3, when ``world > 1``)
+    with the callback, writing ``out/attnid_metrics.jsonl``; returns the class of the trained
+    attention weights and whether DeepSpeed partitioned them."""
     from attnid.integrations.transformers import AttnidCallback
 
-    fsdp = {"fsdp": True, "fsdp_config": {"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}}
     args = transformers.TrainingArguments(
         output_dir=str(out), max_steps=STEPS, per_device_train_batch_size=8 // world, logging_steps=1,
         learning_rate=1e-2, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0,
-        **(fsdp if world > 1 else {}))
+        **(SHARDING[sharding] if world > 1 else {}))
     trainer = transformers.Trainer(model=tiny_llama(), args=args, train_dataset=Tokens(),
-                                   callbacks=[AttnidCallback(correction)])
-    if world > 1:
+                                   callbacks=[AttnidCallback()])
+    if world > 1 and sharding == "fsdp2":
         fsdp_on_cpu(trainer)
     trainer.train()
-    return type(trainer.model.model.layers[0].self_attn.q_proj.weight).__name__
+    w = trainer.model.model.layers[0].self_attn.q_proj.weight
+    return type(w).__name__ + (" partitioned" if hasattr(w, "ds_id") else "")
 
 
 def fsdp_on_cpu(trainer) -> None:
@@ -172,8 +184,8 @@ def main(out: Path, cases: list[str]) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     for case in cases:
-        if case == "trainer":
-            records = [{"weights": run_trainer(out / "trainer", dist.get_world_size())}]
+        if case.startswith("trainer-"):
+            records = [{"weights": run_trainer(out / case, dist.get_world_size(), case.split("-")[1])}]
         else:
             records = run(case, dist.get_world_size())
         (out / f"{case}.rank{rank}.json").write_text(json.dumps(records))

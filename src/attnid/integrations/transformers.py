@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import os
 import statistics
 from pathlib import Path
 from typing import Any
@@ -62,11 +63,17 @@ class AttnidCallback(TrainerCallback):
         self._measuring = False
         self._file: Path | None = None
         self._logged = -1
+        self._engine_steps = False  # the optimizer steps inside backward (DeepSpeed)
 
     # ---- Trainer events ----------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if model is None:
             raise AttnidError("AttnidCallback needs the model (Trainer passes it)")
+        # under DeepSpeed (Trainer's ``deepspeed`` argument or ``accelerate launch --use_deepspeed``)
+        # the engine steps inside ``backward``, before ``on_pre_optimizer_step``: the forward and
+        # backward passes move no weight, so the step is measured from ``on_step_begin``
+        self._engine_steps = bool(getattr(args, "deepspeed", None)) or \
+            os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
         self.monitor = Monitor(model, near=self.near)
         self.corrector = Corrector(model, self.correction, near=self.near)
         self._start = [{side: conserved(w, side) for side in ("qk", "vo")}
@@ -78,11 +85,19 @@ class AttnidCallback(TrainerCallback):
             self._file.write_text("")
         self._run_before_reporters()
 
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self._engine_steps:  # DeepSpeed steps inside backward: start before it
+            self._begin(state)
+
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if not self._engine_steps:
+            self._begin(state)
+
+    def _begin(self, state) -> None:
         self._stack = contextlib.ExitStack()
         self._measuring = state.global_step % self.every == 0
         if self._measuring:
-            self.monitor.begin()
+            self.monitor.begin(grads=not self._engine_steps)
         self._stack.enter_context(self.corrector.step())
 
     def on_optimizer_step(self, args, state, control, **kwargs):
