@@ -10,6 +10,7 @@ checkpoint is opened, and every tensor read is checked for NaN and Inf.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 
 from attnid.adapters.base import Adapter, stored_shapes
-from attnid.adapters.config import load_config
+from attnid.adapters.config import load_config, model_path
 from attnid.adapters.registry import adapter_for
 from attnid.errors import AttnidError
 from attnid.io import DTYPES, TensorFile, TensorInfo, open_files, weight_prefix
@@ -98,9 +99,12 @@ class Checkpoint:
 
 
 def open_checkpoint(model: str | Path, *, purpose: str = "read") -> Checkpoint:
-    """Open ``model`` (directory, config.json, or .safetensors with config.json beside it);
-    ``purpose`` names the command in a refusal ("cannot canonicalize OLMo2 checkpoints")."""
-    path = Path(model)
+    """Open ``model`` (directory, config.json, .safetensors with config.json beside it, or a
+    Hugging Face model id in the local cache); ``purpose`` names the command in a refusal
+    ("cannot canonicalize OLMo2 checkpoints")."""
+    path = model_path(model)
+    if path != Path(model):  # a Hugging Face id: named as given
+        return dataclasses.replace(open_checkpoint(path, purpose=purpose), path=Path(model))
     if not path.exists():
         raise AttnidError(f"{model} does not exist")
     if path.is_dir():

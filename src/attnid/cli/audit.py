@@ -11,7 +11,9 @@ from attnid.cli.app import Json, app, console, emit_json
 
 @app.command("audit")
 def audit_cmd(
-    model: Annotated[str, typer.Argument(help="Model directory, config.json, or .safetensors file.")],
+    model: Annotated[str, typer.Argument(
+        help="Model directory, config.json, .safetensors file, or org/name from the local Hugging "
+             "Face cache.")],
     plot: Annotated[str | None, typer.Option("--plot", help="Write a PNG heat map (layers x heads).")] = None,
     json_out: Json = False,
 ) -> None:

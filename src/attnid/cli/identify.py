@@ -61,7 +61,9 @@ def verify_cmd(
         "--confirm/--no-confirm", help="Recount at a second seed with twice the sequences "
         "(default: only when the first count disagrees or its spectral gap is narrow).")] = None,
     hf_config: Annotated[str | None, typer.Option(
-        "--hf-config", help="Check a Hugging Face attention class, reduced from this config.")] = None,
+        "--hf-config", help="Check a Hugging Face attention class, reduced from this config "
+        "(config.json, model directory, bundled name, or org/name from the local Hugging Face "
+        "cache).")] = None,
     whole: Annotated[bool, typer.Option(
         "--whole", help="With --hf-config: every parameter of the reduced model, not only one "
         "attention layer.")] = False,
@@ -142,7 +144,8 @@ def _verify_whole(hf_config: str, seed: int, confirm: bool, json_out: bool) -> N
 @app.command("report")
 def report_cmd(
     model: Annotated[str | None, typer.Argument(
-        help="config.json, model directory, or bundled name.")] = None,
+        help="config.json, model directory, bundled name, or Hugging Face id (org/name) from "
+             "the local cache.")] = None,
     all_models: Annotated[bool, typer.Option("--all", help="Compare every bundled model.")] = False,
     json_out: Json = False,
 ) -> None:
@@ -159,7 +162,7 @@ def report_cmd(
             _print_rows(rows, "attention and whole-model identification across model families")
         return
     if model is None:
-        raise AttnidError("give a MODEL (config.json, model directory or bundled name) or --all")
+        raise AttnidError("give a MODEL (config.json, model directory, bundled name or org/name) or --all")
     rep = model_report(model)
     if json_out:
         emit_json(rep)
