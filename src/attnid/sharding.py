@@ -5,7 +5,8 @@ corrects whole attention layers, so it needs, one layer at a time, the whole of 
 and a way to store a new value back into each process's slice. A :class:`Placement` says how
 for one parameter:
 
-* :class:`Whole`: the tensor is all here (one process, DDP, DeepSpeed ZeRO-1/2).
+* :class:`Whole`: the tensor is all here (one process, DDP, DeepSpeed ZeRO-1/2, whose
+  optimizer's float32 copy is written too).
 * :class:`DTensorShards`: a ``DTensor`` (FSDP2 ``fully_shard``, tensor parallelism):
   ``full_tensor()`` to gather, `torch.distributed.tensor.distribute_tensor` without
   communication (every process holds the same whole) to find this process's slice.
@@ -99,9 +100,15 @@ class Placement:
         return self.piece() if piece is None else piece
 
     def write_(self, full: torch.Tensor) -> None:
-        """Store this process's part of ``full`` (the same on every process) in the parameter."""
+        """Store this process's part of ``full`` (the same on every process) in the parameter,
+        and in the optimizer's float32 copy when DeepSpeed ZeRO-1/2 keeps one (else its next
+        step would start from the old value)."""
         with torch.no_grad():
             self.piece().copy_(full)
+        if getattr(self.param, "_hp_mapping", None) is not None:
+            from deepspeed.utils import safe_set_full_fp32_param
+
+            safe_set_full_fp32_param(self.param, full.float())
 
     def grad(self) -> torch.Tensor | None:
         """The whole gradient (None when there is none); collective when sharded."""

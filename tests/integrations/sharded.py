@@ -30,7 +30,8 @@ STEPS = 3
 EPS = 1e-3  # AdamW's eps: large enough that its step is smooth in the gradient (see run)
 CASES = ("fsdp2", "fsdp2-before", "fsdp2-project", "fsdp2-rebalance", "fsdp1", "fsdp1-before", "ddp",
          "trainer-fsdp2")
-ZERO3 = ("zero3", "zero3-project", "zero3-persistent-project", "trainer-zero3")  # need deepspeed
+ZERO3 = ("zero3", "zero3-project", "zero3-persistent-project", "zero3-rebalance2", "zero2-rebalance2",
+         "trainer-zero3")  # need deepspeed
 
 
 def tiny_llama() -> transformers.LlamaForCausalLM:
@@ -66,9 +67,10 @@ def _fsdp1(model):
 def run(case: str, world: int) -> list[dict]:
     """The Monitor's records of ``STEPS`` AdamW steps (``world=1``: no sharding, the reference)."""
     before = case.endswith("-before")
-    correction = case.split("-")[-1] if case.split("-")[-1] in ("project", "rebalance") else "off"
-    if case.startswith("zero3"):
-        return _run_zero3(correction, persistent="-persistent" in case)
+    correction = {"project": "project", "rebalance": "rebalance", "rebalance2": "rebalance:2"}.get(
+        case.split("-")[-1], "off")
+    if case.startswith(("zero3", "zero2")):
+        return _run_zero(int(case[4]), correction, persistent="-persistent" in case)
     model = tiny_llama()
     if before:
         monitor, corrector = Monitor(model), Corrector(model, correction)
@@ -94,8 +96,9 @@ def run(case: str, world: int) -> list[dict]:
     return records
 
 
-def _run_zero3(correction: str, persistent: bool) -> list[dict]:
-    """ZeRO-3's AdamW steps differ from torch's in one process beyond rounding (its gradients
+def _run_zero(stage: int, correction: str, persistent: bool) -> list[dict]:
+    """DeepSpeed ZeRO-``stage`` (3: parameters partitioned; 2: whole, the optimizer's float32
+    copy partitioned). ZeRO-3's AdamW steps differ from torch's in one process beyond rounding (its gradients
     are scaled differently), so the reference is DeepSpeed's own view of the same weights: an
     unsharded twin that gets them, gathered by ``deepspeed.zero.GatheredParameters``, before
     and after each step and is measured by its own Monitor (``reference`` in each record).
@@ -105,7 +108,9 @@ def _run_zero3(correction: str, persistent: bool) -> list[dict]:
 
     model = tiny_llama()
     monitor, corrector = Monitor(model), Corrector(model, correction)  # before ZeRO-3 partitions
-    zero = {"stage": 3} if persistent else {"stage": 3, "stage3_param_persistence_threshold": 0}
+    zero = {"stage": stage}
+    if stage == 3 and not persistent:
+        zero["stage3_param_persistence_threshold"] = 0
     config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": zero,
               "optimizer": {"type": "AdamW",
                             "params": {"lr": 1e-2, "weight_decay": 0.1, "eps": EPS, "torch_adam": True}}}

@@ -174,3 +174,13 @@ def test_zero3(launched_zero3, case):
         assert max(rho) < 1e-10 and max(twin) < 1e-10, (max(rho), max(twin))
     else:
         assert min(rho) > 1e-5, "rho reads zero"
+
+
+@pytest.mark.parametrize("case", ["zero3-rebalance2", "zero2-rebalance2"])
+def test_a_rebalanced_point_survives_deepspeeds_next_step(launched_zero3, case):
+    """Rebalancing every 2nd step: beta is 0 after step 2 and still small after step 3 only if
+    the optimizer's float32 copy (which its next step starts from) was rebalanced too."""
+    got = _records(launched_zero3, case, 0)
+    beta = [max(_flat(rec["beta_qk"]) + _flat(rec["beta_vo"])) for rec in got]
+    assert beta[1] < 1e-6, beta
+    assert beta[2] < beta[0] / 20, f"step 3 went back to the unbalanced point: {beta}"
