@@ -195,6 +195,32 @@ def test_corrector_writes_into_the_shards(one_process_group, kind, built):
     assert min(_flatten(records[-1]["update_norm"])) > 1e-4
 
 
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_change_between_steps_is_measured(one_process_group, sharded):
+    """Weights changed between two monitored steps (outside them): the next step is measured
+    from the changed point, not from a snapshot kept since (sharded: the Gram matrices of the
+    last step's end point are reused only while this process's pieces are unchanged)."""
+    records = []
+    for shard in (False, sharded):
+        model = _model()
+        if shard:
+            _fully_shard(model)
+        monitor = Monitor(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        out = []
+        for step in range(STEPS):
+            opt.zero_grad()
+            _loss(model, step).backward()
+            with monitor.step():
+                opt.step()
+            out.append(monitor.last)
+            with torch.no_grad():
+                model.a.W_Q.mul_(1.5)  # between the steps
+        records.append(out)
+    _assert_same(records[1], records[0], 1e-10)
+    assert records[0][1]["beta_qk"] != records[0][0]["beta_qk"]
+
+
 @pytest.mark.parametrize("kind", ["attnid"])
 def test_a_replaced_module_is_read_not_the_old_one(kind, reference):
     model = _model(kind)

@@ -58,6 +58,8 @@ class _Batches:
         shards = [acc.shards() for acc in self.layers]  # the parameters as they are now
         if any(s.sharded for s in shards):
             self.groups = [[i] for i in range(len(self.layers))]
+            if isinstance(unless_equal, _Gathered) and unless_equal.holds(shards, dtype):
+                return unless_equal  # what this process holds is unchanged: keep its Gram matrices
             old = into.shards if isinstance(into, _Gathered) and dtype is None else [None] * len(shards)
             return _Gathered([s.copy(o) for s, o in zip(shards, old, strict=True)], dtype)
         self.groups = self.by_spec
@@ -106,6 +108,9 @@ class _Gathered(Sequence[AttentionWeights]):
 
     def __init__(self, shards: list[LayerShards], dtype: torch.dtype | None) -> None:
         self.shards, self.dtype = shards, dtype
+        # what was computed from each gathered layer (Gram matrices, spectra: small), kept for
+        # its next reading; the pieces are never changed in place while this snapshot lives
+        self.memos: list[dict] = [{} for _ in shards]
 
     def __len__(self) -> int:
         return len(self.shards)
@@ -114,7 +119,18 @@ class _Gathered(Sequence[AttentionWeights]):
         if isinstance(k, slice):
             return [self[j] for j in range(*k.indices(len(self)))]
         w = self.shards[k].weights().map(lambda t: t.unsqueeze(0))
-        return w if self.dtype is None or w.W_Q.dtype == self.dtype else w.to(self.dtype)
+        w = w if self.dtype is None or w.W_Q.dtype == self.dtype else w.to(self.dtype)
+        w.__dict__["_memo"] = self.memos[k]  # fresh tensors, version 0 each reading: still valid
+        return w
+
+    def holds(self, shards: list[LayerShards], dtype: torch.dtype | None) -> bool:
+        """Whether this snapshot holds exactly the pieces ``shards`` show now (a local check:
+        reading either gathers the same way on every process)."""
+        same = lambda a, b: a.dtype == b.dtype and torch.equal(a, b)  # noqa: E731
+        return dtype == self.dtype and all(
+            mine.pieces.keys() == now.pieces.keys()
+            and all(same(t, now.pieces[n]) for n, t in mine.pieces.items())
+            for mine, now in zip(self.shards, shards, strict=True))
 
 
 class Monitor:
