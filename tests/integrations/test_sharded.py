@@ -181,6 +181,9 @@ def test_a_rebalanced_point_survives_deepspeeds_next_step(launched_zero3, case):
     """Rebalancing every 2nd step: beta is 0 after step 2 and still small after step 3 only if
     the optimizer's float32 copy (which its next step starts from) was rebalanced too."""
     got = _records(launched_zero3, case, 0)
-    beta = [max(_flat(rec["beta_qk"]) + _flat(rec["beta_vo"])) for rec in got]
-    assert beta[1] < 1e-6, beta
-    assert beta[2] < beta[0] / 20, f"step 3 went back to the unbalanced point: {beta}"
+    for side in ("qk", "vo"):
+        beta = [max(_flat(rec[f"beta_{side}"])) for rec in got]
+        assert beta[1] < 1e-6, beta
+        # one AdamW step from the balanced point moves beta by about a third of where it was
+        # (VO; QK much less); undone by the optimizer, it would be back where it was
+        assert beta[2] < beta[0] / 2, f"step 3 went back to the unbalanced point: beta_{side} {beta}"
