@@ -38,7 +38,7 @@ DOCS = {p.relative_to(ROOT).as_posix(): p.read_text(encoding="utf-8")
         for p in sorted(ROOT.glob(pattern))}
 # where the examples and tables live now: a move that loses one fails here
 # (text: `$ attnid` examples, python: blocks, bash: commands, reference: rows of the CLI table)
-EXPECTED = {"README.md": {"text": 6, "python": 6, "bash": 4},
+EXPECTED = {"README.md": {"text": 6, "python": 6, "bash": 7},
             "docs/counting.md": {"python": 1},
             "CONTRIBUTING.md": {"python": 2, "bash": 6},
             "docs/cli.md": {"reference": 11}}
@@ -343,12 +343,46 @@ def test_bash_command_exists(block, command, capsys, pytestconfig):
         paths = [a for k, a in enumerate(args) if not a.startswith("-") and (k == 0 or args[k - 1] != "-m")]
         for a in paths:
             assert (ROOT / a.split("::")[0]).exists(), f"{command}: no {a}"
+    elif argv[0] == ".venv/bin/torchrun":  # run for real by test_torchrun_example (slow)
+        script = next(a for a in argv[1:] if a.endswith(".py"))
+        assert (ROOT / script).is_file(), f"{command}: no {script}"
+        assert "--standalone" in argv, f"{command}: --standalone picks a free port (two runs collide without)"
     elif argv[:2] == [".venv/bin/ruff", "check"]:
         assert importlib.util.find_spec("ruff") is not None, "ruff is not installed (attnid[test])"
         for a in (a for a in argv[2:] if not a.startswith("-")):
             assert (ROOT / a).exists(), f"{command}: no {a}"
     else:
         pytest.fail(f"unknown command {command!r}: teach this test how to check it")
+
+
+TORCHRUN = [(b, c) for b, c in BASH if c.startswith(".venv/bin/torchrun ")]
+# what each documented torchrun example must print (rank 0 only: once)
+TORCHRUN_PRINTS = {"examples/fsdp2.py": ("step 3: loss", "monitored step:"),
+                   "examples/accelerate_fsdp.py": ("step 3: loss", "weights: DTensor", "monitored step:"),
+                   "examples/trainer_fsdp.py": ("4 lines in trainer-fsdp/attnid_metrics.jsonl",
+                                                "weights: DTensor")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", [c for _, c in TORCHRUN], ids=[c.split()[-1] for _, c in TORCHRUN])
+def test_torchrun_example(command, tmp_path):
+    """The documented torchrun command, run as shown (two processes, from a scratch directory
+    so that what the example writes lands there)."""
+    import os
+    import subprocess
+    import sys
+
+    argv = shlex.split(command)[1:]
+    script = next(a for a in argv if a.endswith(".py"))
+    argv[argv.index(script)] = str(ROOT / script)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", *argv], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, f"{command} failed:\n{out[-4000:]}"
+    for line in TORCHRUN_PRINTS[script]:
+        times = done.stdout.count(line)
+        assert times == 1, f"{command}: {line!r} printed {times} times:\n{out[-4000:]}"
 
 
 # ---- ```python -------------------------------------------------------------------------------

@@ -18,7 +18,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import operator
-from collections.abc import Iterator
+import warnings
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -26,7 +27,7 @@ from torch import nn
 
 import attnid.adapters.hooks  # noqa: F401  (registers the Hugging Face layer finder)
 from attnid.errors import AttnidError
-from attnid.layers import find_layers
+from attnid.layers import LayerShards, find_layers
 from attnid.spec import AttentionSpec
 from attnid.symmetry.conserved import Metrics, metrics
 from attnid.symmetry.projection import project, remove_tangent
@@ -35,23 +36,41 @@ from attnid.weights import SIDES, AttentionWeights, Side
 
 
 class _Batches:
-    """Layers grouped by spec, read and written as stacked containers."""
+    """Layers grouped by spec, read and written as stacked containers.
+
+    When the model is sharded (FSDP2, FSDP1, DeepSpeed ZeRO-3; `attnid.sharding`) each layer is
+    its own group and a snapshot keeps only this process's pieces: a group is gathered whole
+    when it is read (:class:`_Gathered`), one layer at a time, never the whole model."""
 
     def __init__(self, model: nn.Module) -> None:
         self.layers = find_layers(model)
         groups: dict[AttentionSpec, list[int]] = {}
         for i, acc in enumerate(self.layers):
             groups.setdefault(acc.spec, []).append(i)
-        self.groups = list(groups.values())
+        self.by_spec = list(groups.values())
+        self.groups = self.by_spec
 
     def snapshot(self, dtype: torch.dtype | None = None, *,
-                 unless_equal: list[AttentionWeights] | None = None,
-                 into: list[AttentionWeights] | None = None) -> list[AttentionWeights]:
+                 unless_equal: Sequence[AttentionWeights] | None = None,
+                 into: Sequence[AttentionWeights] | None = None) -> Sequence[AttentionWeights]:
         """One stacked copy per spec group: in the model's dtype (one copy, no conversion) or
         in ``dtype``. ``unless_equal``: an earlier snapshot returned as it is (with the Gram
         matrices it has cached) when the layers still hold exactly its values. ``into``: an
-        earlier snapshot in the model's dtype, overwritten in place instead of new memory."""
-        current = [[self.layers[i].get() for i in idx] for idx in self.groups]
+        earlier snapshot in the model's dtype, overwritten in place instead of new memory.
+        Sharded: a :class:`_Gathered` (this process's pieces; read one group at a time)."""
+        shards = [acc.shards() for acc in self.layers]  # the parameters as they are now
+        if any(s.sharded for s in shards):
+            self.groups = [[i] for i in range(len(self.layers))]
+            if isinstance(unless_equal, _Gathered) and unless_equal.holds(shards, dtype):
+                return unless_equal  # what this process holds is unchanged: keep its Gram matrices
+            old = into.shards if isinstance(into, _Gathered) and dtype is None else [None] * len(shards)
+            return _Gathered([s.copy(o) for s, o in zip(shards, old, strict=True)], dtype)
+        self.groups = self.by_spec
+        if not isinstance(unless_equal, list):
+            unless_equal = None
+        if not isinstance(into, list):
+            into = None
+        current = [[shards[i].weights() for i in idx] for idx in self.groups]
         if unless_equal is not None and all(
                 _equal(layer, old, j) for now, old in zip(current, unless_equal, strict=True)
                 for j, layer in enumerate(now)):
@@ -69,17 +88,52 @@ class _Batches:
             out.append(w if dtype is None or w.W_Q.dtype == dtype else w.to(dtype))
         return out
 
-    def write(self, stacks: list[AttentionWeights]) -> None:
-        """Write stacked weights back, each layer in its own dtype."""
-        for idx, w in zip(self.groups, stacks, strict=True):
-            for i, layer_w in zip(idx, w.unstack(), strict=True):
-                dtype = self.layers[i].get().W_Q.dtype
-                self.layers[i].set(layer_w.to(dtype))
+    def write(self, stacks: Iterable[AttentionWeights]) -> None:
+        """Write stacked weights back (one group at a time), each layer in its own dtype."""
+        for k, w in enumerate(stacks):
+            self.write_group(k, w)
+
+    def write_group(self, k: int, w: AttentionWeights) -> None:
+        """Write group ``k``'s stacked weights back; sharded, each process its own slices."""
+        for i, layer_w in zip(self.groups[k], w.unstack(), strict=True):
+            self.layers[i].set(layer_w)
 
 
 def _equal(layer: AttentionWeights, stacked: AttentionWeights, j: int) -> bool:
     """Whether ``layer`` holds exactly the values of entry ``j`` of ``stacked``."""
     return all(t.dtype == stacked[n].dtype and torch.equal(t, stacked[n][j]) for n, t in layer.items())
+
+
+class _Gathered(Sequence[AttentionWeights]):
+    """A snapshot of a sharded model: this process's pieces of every layer; entry ``k`` is
+    layer ``k`` gathered whole (stacked, batch of one) when it is read. Reading is a
+    collective: every process reads the same entries in the same order."""
+
+    def __init__(self, shards: list[LayerShards], dtype: torch.dtype | None) -> None:
+        self.shards, self.dtype = shards, dtype
+        # what was computed from each gathered layer (Gram matrices, spectra: small), kept for
+        # its next reading; the pieces are never changed in place while this snapshot lives
+        self.memos: list[dict] = [{} for _ in shards]
+
+    def __len__(self) -> int:
+        return len(self.shards)
+
+    def __getitem__(self, k):  # type: ignore[override]
+        if isinstance(k, slice):
+            return [self[j] for j in range(*k.indices(len(self)))]
+        w = self.shards[k].weights().map(lambda t: t.unsqueeze(0))
+        w = w if self.dtype is None or w.W_Q.dtype == self.dtype else w.to(self.dtype)
+        w.__dict__["_memo"] = self.memos[k]  # fresh tensors, version 0 each reading: still valid
+        return w
+
+    def holds(self, shards: list[LayerShards], dtype: torch.dtype | None) -> bool:
+        """Whether this snapshot holds exactly the pieces ``shards`` show now (a local check:
+        reading either gathers the same way on every process)."""
+        same = lambda a, b: a.dtype == b.dtype and torch.equal(a, b)  # noqa: E731
+        return dtype == self.dtype and all(
+            mine.pieces.keys() == now.pieces.keys()
+            and all(same(t, now.pieces[n]) for n, t in mine.pieces.items())
+            for mine, now in zip(self.shards, shards, strict=True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,7 +205,8 @@ class Monitor:
         # two snapshots and one update, reused every step: no fresh memory (and its page
         # faults) for the model-sized copies after the first step
         self._buffers: list[list[AttentionWeights]] = []
-        self._delta: list[AttentionWeights | None] = [None] * len(self.batches.groups)
+        # one update buffer per spec (sharded, the layers of one spec take turns in it)
+        self._delta: dict[AttentionSpec, AttentionWeights] = {}
 
     @property
     def after(self) -> list[AttentionWeights] | None:
@@ -172,10 +227,11 @@ class Monitor:
         yield
         self.end()
 
-    def begin(self) -> None:
+    def begin(self, *, grads: bool = True) -> None:
         """Before an update: read the bias gradients and the current point. For loops whose
-        hooks cannot wrap the update in one block (a `Trainer` callback)."""
-        self._grads = self._bias_grads()
+        hooks cannot wrap the update in one block (a `Trainer` callback). ``grads=False``:
+        called before the backward pass (there are no gradients yet): no gradient norms."""
+        self._grads = self._bias_grads() if grads else [(None, None)] * len(self.batches.layers)
         # usually the last end point itself: no copy, its Gram matrices and spectra known
         spare = self._spare(self._after)
         self._before = self._keep(self.batches.snapshot(unless_equal=self._after, into=spare), spare)
@@ -186,10 +242,18 @@ class Monitor:
             raise AttnidError("Monitor.end() needs a Monitor.begin() before the update")
         spare = self._spare(self._before)
         after = self._after = self._keep(self.batches.snapshot(into=spare), spare)
+        if isinstance(self._before, _Gathered) != isinstance(after, _Gathered):
+            self._before = None
+            raise AttnidError("the model was sharded (or gathered) between Monitor.begin() and "
+                              "Monitor.end(): measure a step before the change or after it")
         step = self.measure(self._before, after)
         self.last = StepMetrics(tuple(dataclasses.replace(layer, grad_norm_bq=bq, grad_norm_bk=bk)
                                       for layer, (bq, bk) in zip(step.layers, self._grads, strict=True)))
         self._before = None
+        if not any(bool(layer.update_norm) for layer in self.last.layers):
+            warnings.warn("attnid: no attention weight moved during the monitored step, so every rho "
+                          "reads 0; the optimizer stepped outside the block, skipped the step, or "
+                          "updates a copy of the weights attnid cannot see", stacklevel=2)
         return self.last
 
     def _spare(self, busy: list[AttentionWeights] | None) -> list[AttentionWeights] | None:
@@ -231,11 +295,11 @@ class Monitor:
         return StepMetrics(tuple(layers))
 
     def _difference(self, k: int, w1: AttentionWeights, w0: AttentionWeights) -> AttentionWeights:
-        """``w1 - w0`` for spec group ``k``, written into the monitor's update buffer."""
-        buf = self._delta[k]
+        """``w1 - w0`` for group ``k``, written into the monitor's update buffer for its spec."""
+        buf = self._delta.get(w1.spec)
         if buf is None or any(buf[n].shape != t.shape or buf[n].device != t.device
                               or buf[n].dtype != torch.result_type(t, w0[n]) for n, t in w1.items()):
-            buf = self._delta[k] = w1 - w0
+            buf = self._delta[w1.spec] = w1 - w0
             return buf
         for n, t in w1.items():
             torch.sub(t, w0[n], out=buf[n])
@@ -261,11 +325,10 @@ class Corrector:
         self.steps += 1
         if self.kind == "project":
             after = self.batches.snapshot(torch.float64)
-            self.batches.write([w0 + remove_tangent(w0, w1 - w0, near=self.near)
-                                for w0, w1 in zip(before, after, strict=True)])
+            self.batches.write(w0 + remove_tangent(w0, w1 - w0, near=self.near)  # one group at a time
+                               for w0, w1 in zip(before, after, strict=True))
         elif self.kind == "rebalance" and self.steps % self.every == 0:
-            self.batches.write([rebalance(w, group="auto")
-                                for w in self.batches.snapshot(torch.float64)])
+            self.batches.write(rebalance(w, group="auto") for w in self.batches.snapshot(torch.float64))
 
 
 def parse_correction(correction: str) -> tuple[str, int]:

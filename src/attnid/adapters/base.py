@@ -296,6 +296,14 @@ class Adapter:
         return None
 
 
+def stored_shapes(adapter: Adapter, spec: AttentionSpec, i: int) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor of layer ``i``'s attention as the adapter stores it (worked
+    out on the meta device: no memory)."""
+    with torch.device("meta"):
+        w = AttentionWeights.from_tensors(spec, {n: torch.empty(s) for n, s in spec.param_shapes().items()})
+        return {n: tuple(t.shape) for n, t in adapter.write(w, i).items()}
+
+
 class _Holder(nn.Module):
     def __init__(self, attn: nn.Module, rotary: nn.Module | None) -> None:
         super().__init__()

@@ -1,4 +1,5 @@
-"""Find and read a model config: a config.json path, a model directory, or a bundled name.
+"""Find and read a model config: a config.json path, a model directory, a bundled name, or a
+Hugging Face model id (``org/name``) in the local Hugging Face cache.
 
 A config read here remembers where it came from (:class:`FileConfig`), so that every refusal
 about one of its fields, wherever it is raised, names the file (:func:`source_of`).
@@ -7,12 +8,14 @@ about one of its fields, wherever it is raised, names the file (:func:`source_of
 from __future__ import annotations
 
 import json
+import os
+import re
 from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from attnid.errors import AttnidError
+from attnid.errors import AttnidError, require
 
 
 class FileConfig(dict[str, Any]):
@@ -40,9 +43,13 @@ def bundled() -> list[str]:
 
 
 def load_config(model: str) -> tuple[str, dict[str, Any]]:
-    """``(display name, config dict)``; the dict is a :class:`FileConfig` (a JSON object,
-    checked here; its fields are checked where they are read, `attnid.adapters.base.cfg_int`)."""
+    """``(display name, config dict)``. A path comes first, then a bundled name, then a
+    Hugging Face model id in the local cache (:func:`hub_snapshot`). The dict is a
+    :class:`FileConfig` (a JSON object, checked here; its fields are checked where they are
+    read, `attnid.adapters.base.cfg_int`)."""
     path = Path(model)
+    if not path.exists() and model.lower() not in {n.lower() for n in bundled()} and is_hub_id(model):
+        return model, load_config(str(hub_snapshot(model)))[1]
     if path.is_dir():
         path = path / "config.json"
         if not path.exists():
@@ -68,3 +75,35 @@ def _object(data: Any, source: str) -> FileConfig:
     if not isinstance(data, dict):
         raise AttnidError(f"{source}: the config is a JSON {type(data).__name__}, not an object of fields")
     return FileConfig(data, source)
+
+
+def model_path(model: str | Path) -> Path:
+    """Where ``model`` is on disk: the path as given, or, when there is no such path and it reads
+    as a Hugging Face id (``org/name``), its snapshot in the local cache (:func:`hub_snapshot`)."""
+    path = Path(model)
+    return hub_snapshot(str(model)) if not path.exists() and is_hub_id(str(model)) else path
+
+
+def is_hub_id(model: str) -> bool:
+    """Whether ``model`` reads as a Hugging Face model id: ``org/name`` (one slash)."""
+    return re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9]", model) is not None and ".." not in model
+
+
+def hub_snapshot(repo_id: str) -> Path:
+    """The local snapshot (``refs/main``) of a Hugging Face model in the local cache
+    (``HF_HUB_CACHE``, else ``HF_HOME/hub``, else huggingface_hub's default). Nothing is ever
+    downloaded, whatever ``HF_HUB_OFFLINE`` says; a model not cached raises `AttnidError`
+    saying how to fetch it."""
+    require("huggingface_hub", "hf")
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    cache = os.environ.get("HF_HUB_CACHE") or (
+        os.path.join(os.environ["HF_HOME"], "hub") if os.environ.get("HF_HOME") else constants.HF_HUB_CACHE)
+    try:
+        return Path(snapshot_download(repo_id, cache_dir=cache, local_files_only=True))
+    except (LocalEntryNotFoundError, HFValidationError, FileNotFoundError):
+        raise AttnidError(f"{repo_id} is neither a path nor in the local Hugging Face cache ({cache}); "
+                          f"attnid never downloads: fetch it with `hf download {repo_id}` (older "
+                          f"huggingface_hub: `huggingface-cli download {repo_id}`), or its config "
+                          f"alone with `hf download {repo_id} config.json`") from None

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from attnid.adapters.base import hf_model_class, read_hf_config
+from attnid.adapters.config import model_path
 from attnid.checkpoint.load import Checkpoint, open_checkpoint
 from attnid.errors import AttnidError, require
 from attnid.io import DTYPES, weight_files, write_streaming
@@ -75,7 +76,7 @@ def canonicalize(in_dir: str | Path, out_dir: str | Path, *, drop_key_bias: bool
 def check_out_dir(in_dir: str | Path, out_dir: str | Path, force: bool) -> tuple[Path, Path]:
     """``(IN_DIR, OUT_DIR)`` resolved, refused before any work when writing OUT_DIR could touch
     the input or replace something without ``force``."""
-    src, dst = Path(in_dir).resolve(), Path(out_dir).resolve()
+    src, dst = model_path(in_dir).resolve(), Path(out_dir).resolve()
     if not src.is_dir():
         raise AttnidError(f"{in_dir} is not a directory")
     if dst == src or dst in src.parents or src in dst.parents:

@@ -10,6 +10,7 @@ checkpoint is opened, and every tensor read is checked for NaN and Inf.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,8 +19,8 @@ from typing import Any
 
 import torch
 
-from attnid.adapters.base import Adapter
-from attnid.adapters.config import load_config, source_of
+from attnid.adapters.base import Adapter, stored_shapes
+from attnid.adapters.config import load_config, model_path, source_of
 from attnid.adapters.registry import adapter_for
 from attnid.errors import AttnidError
 from attnid.io import DTYPES, TensorFile, TensorInfo, open_files, weight_prefix
@@ -99,9 +100,12 @@ class Checkpoint:
 
 
 def open_checkpoint(model: str | Path, *, purpose: str = "read") -> Checkpoint:
-    """Open ``model`` (directory, config.json, or .safetensors with config.json beside it);
-    ``purpose`` names the command in a refusal ("cannot canonicalize OLMo2 checkpoints")."""
-    path = Path(model)
+    """Open ``model`` (directory, config.json, .safetensors with config.json beside it, or a
+    Hugging Face model id in the local cache); ``purpose`` names the command in a refusal
+    ("cannot canonicalize OLMo2 checkpoints")."""
+    path = model_path(model)
+    if path != Path(model):  # a Hugging Face id: named as given
+        return dataclasses.replace(open_checkpoint(path, purpose=purpose), path=Path(model))
     if not path.exists():
         raise AttnidError(f"{model} does not exist")
     if path.is_dir():
@@ -153,10 +157,3 @@ def _where(root: Path, files: list[Path] | None, index: dict[str, TensorFile]) -
     paths = sorted({f.path for f in index.values()} | set(files or []))
     return str(paths[0]) if len(paths) == 1 else f"{root} (shards {', '.join(p.name for p in paths)})"
 
-
-def stored_shapes(adapter: Adapter, spec: AttentionSpec, i: int) -> dict[str, tuple[int, ...]]:
-    """The shape of every tensor of layer ``i``'s attention as the adapter stores it (worked
-    out on the meta device: no memory)."""
-    with torch.device("meta"):
-        w = AttentionWeights.from_tensors(spec, {n: torch.empty(s) for n, s in spec.param_shapes().items()})
-        return {n: tuple(t.shape) for n, t in adapter.write(w, i).items()}

@@ -14,7 +14,9 @@ if TYPE_CHECKING:
 
 @app.command("audit")
 def audit_cmd(
-    model: Annotated[str, typer.Argument(help="Model directory, config.json, or .safetensors file.")],
+    model: Annotated[str, typer.Argument(
+        help="Model directory, config.json, .safetensors file, or org/name from the local Hugging "
+             "Face cache.")],
     plot: Annotated[str | None, typer.Option(
         "--plot", help="Write a heat map (layers x heads); the suffix picks the format: .png, .svg, "
         ".pdf or another that matplotlib writes.")] = None,

@@ -11,7 +11,8 @@ from attnid.cli.app import Json, app, emit_json
 
 @app.command("canonicalize")
 def canonicalize_cmd(
-    in_dir: Annotated[str, typer.Argument(help="Model directory (config.json + safetensors).")],
+    in_dir: Annotated[str, typer.Argument(
+        help="Model directory (config.json + safetensors), or org/name from the local Hugging Face cache.")],
     out_dir: Annotated[str, typer.Argument(help="Where the canonical checkpoint goes.")],
     drop_key_bias: Annotated[bool | None, typer.Option(
         "--drop-key-bias/--keep-key-bias", help="Zero the unidentified key bias.")] = None,

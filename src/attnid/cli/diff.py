@@ -12,7 +12,8 @@ from attnid.cli.app import Json, app, console, emit_json
 @app.command("diff")
 def diff_cmd(
     model_a: Annotated[str, typer.Argument(
-        help="Reference checkpoint (directory, config.json or .safetensors).")],
+        help="Reference checkpoint (directory, config.json, .safetensors, or a Hugging Face "
+             "id such as org/name, read from the local cache).")],
     model_b: Annotated[str, typer.Argument(help="Checkpoint to compare with it (same architecture).")],
     json_out: Json = False,
 ) -> None:

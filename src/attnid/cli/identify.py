@@ -61,7 +61,9 @@ def verify_cmd(
         "--confirm/--no-confirm", help="Recount at a second seed with twice the sequences "
         "(default: only when the first count disagrees or its spectral gap is narrow).")] = None,
     hf_config: Annotated[str | None, typer.Option(
-        "--hf-config", help="Check a Hugging Face attention class, reduced from this config.")] = None,
+        "--hf-config", help="Check a Hugging Face attention class, reduced from this config "
+        "(config.json, model directory, bundled name, or org/name from the local Hugging Face "
+        "cache).")] = None,
     whole: Annotated[bool, typer.Option(
         "--whole", help="With --hf-config: every parameter of the reduced model, not only one "
         "attention layer.")] = False,
@@ -141,7 +143,8 @@ def _verify_whole(hf_config: str, seed: int, confirm: bool, json_out: bool) -> N
 @app.command("report")
 def report_cmd(
     model: Annotated[str | None, typer.Argument(
-        help="config.json, model directory, or bundled name.")] = None,
+        help="config.json, model directory, bundled name, or Hugging Face id (org/name) from "
+             "the local cache.")] = None,
     all_models: Annotated[bool, typer.Option("--all", help="Compare every bundled model.")] = False,
     wide: Annotated[bool, typer.Option(
         "--wide", help="With --all: every column (the spec, the QK counts, the parameters).")] = False,
@@ -157,7 +160,7 @@ def report_cmd(
     if wide and not all_models:
         raise AttnidError("--wide is for the --all table")
     if not all_models and model is None:
-        raise AttnidError("give a MODEL (config.json, model directory or bundled name) or --all")
+        raise AttnidError("give a MODEL (config.json, model directory, bundled name or org/name) or --all")
     require_extras("hf", what="attnid report")  # parameter totals, numeric and whole-model counts
     if all_models:
         with Progress() as progress:

@@ -6,8 +6,10 @@
 
 Around every monitored optimizer step it records, per attention layer and key/value group,
 ``rho_qk, rho_vo`` (share of the applied update along the invisible directions),
-``beta_qk, beta_vo`` (the conserved quantities after the step) and ``drift_qk, drift_vo``
-(how far they moved from where training started), plus the median and max over heads.
+``beta_qk, beta_vo`` (the conserved quantities after the step), ``drift_qk, drift_vo`` (how
+far the step moved them, as in `attnid.monitor.Monitor`) and ``drift_from_start_qk,
+drift_from_start_vo`` (how far they moved since training started), plus the median and max
+over heads.
 Summaries go into Trainer's logs as ``attnid/<metric>/{median,max}`` and per layer
 ``attnid/<metric>/layer<i>/{median,max}``, so every reporting integration (TensorBoard, W&B,
 ...) and ``trainer.state.log_history`` get them; every measured step is also one line of
@@ -18,9 +20,9 @@ attnid adapter (or that is built from `attnid.Attention`) works.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +34,13 @@ require("transformers", "hf")
 
 from transformers import TrainerCallback  # noqa: E402
 
-from attnid.monitor import Corrector, Monitor, StepMetrics, parse_correction  # noqa: E402
+from attnid.monitor import Corrector, Monitor, parse_correction  # noqa: E402
 from attnid.stats import flat, median  # noqa: E402
-from attnid.symmetry.conserved import conserved, group_norm  # noqa: E402
+from attnid.symmetry.conserved import conserved, flat_key, group_norm  # noqa: E402
 from attnid.weights import SIDES, Side  # noqa: E402
 
-METRICS = ("rho_qk", "rho_vo", "beta_qk", "beta_vo", "drift_qk", "drift_vo")
+METRICS = ("rho_qk", "rho_vo", "beta_qk", "beta_vo", "drift_qk", "drift_vo", "drift_from_start_qk",
+           "drift_from_start_vo")
 
 
 class AttnidCallback(TrainerCallback):
@@ -64,11 +67,17 @@ class AttnidCallback(TrainerCallback):
         self._measuring = False
         self._file: Path | None = None
         self._logged = -1
+        self._engine_steps = False  # the optimizer steps inside backward (DeepSpeed)
 
     # ---- Trainer events ----------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if model is None:
             raise AttnidError("AttnidCallback needs the model (Trainer passes it)")
+        # under DeepSpeed (Trainer's ``deepspeed`` argument or ``accelerate launch --use_deepspeed``)
+        # the engine steps inside ``backward``, before ``on_pre_optimizer_step``: the forward and
+        # backward passes move no weight, so the step is measured from ``on_step_begin``
+        self._engine_steps = bool(getattr(args, "deepspeed", None)) or \
+            os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
         self.monitor = Monitor(model, near=self.near)
         self.corrector = Corrector(model, self.correction, near=self.near)
         self._start = [{side: conserved(w, side) for side in SIDES}
@@ -80,18 +89,26 @@ class AttnidCallback(TrainerCallback):
             self._file.write_text("")
         self._run_before_reporters()
 
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self._engine_steps:  # DeepSpeed steps inside backward: start before it
+            self._begin(state)
+
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if not self._engine_steps:
+            self._begin(state)
+
+    def _begin(self, state) -> None:
         self._stack = contextlib.ExitStack()
         self._measuring = state.global_step % self.every == 0
         if self._measuring:
-            self.monitor.begin()
+            self.monitor.begin(grads=not self._engine_steps)
         self._stack.enter_context(self.corrector.step())
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         self._stack.close()  # the corrector acts first: the monitor sees the update that was applied
         if not self._measuring:
             return
-        vals = self._drift_from_start(self.monitor.end()).to_dict()
+        vals = {**self.monitor.end().to_dict(), **self._drift_from_start()}
         self._measuring = False
         self.last = {"step": state.global_step + 1, "layers": self.monitor.layer_names, **vals}
         if self._file is not None:
@@ -107,18 +124,18 @@ class AttnidCallback(TrainerCallback):
         if state.log_history:
             state.log_history[-1].update(extra)
 
-    def _drift_from_start(self, step: StepMetrics) -> StepMetrics:
-        """``step`` with each drift measured from where training started (``||C_t - C_0||``),
-        not over the one update."""
-        layers = list(step.layers)
+    def _drift_from_start(self) -> dict[str, list]:
+        """``drift_from_start_{qk,vo}``, ``[layer][group]``: how far each conserved quantity has
+        moved since training started, ``||C_t - C_0||`` (``drift_*`` is one update's, as in the
+        Monitor)."""
+        n = len(self.monitor.layer_names)
+        out: dict[str, list] = {flat_key("drift_from_start", side): [None] * n for side in SIDES}
         for idx, w, c0 in zip(self.monitor.batches.groups, self.monitor.after, self._start, strict=True):
-            drift = {side: group_norm(conserved(w, side) - c0[side], w, side) for side in SIDES}  # [n, G]
-            for j, i in enumerate(idx):
-                m = layers[i].metrics
-                m = dataclasses.replace(m, qk=dataclasses.replace(m.qk, drift=drift["qk"][j]),
-                                        vo=dataclasses.replace(m.vo, drift=drift["vo"][j]))
-                layers[i] = dataclasses.replace(layers[i], metrics=m)
-        return StepMetrics(tuple(layers))
+            for side in SIDES:
+                d = group_norm(conserved(w, side) - c0[side], w, side)  # [n, G]
+                for j, i in enumerate(idx):
+                    out[flat_key("drift_from_start", side)][i] = d[j].tolist()
+        return out
 
     # ---- summaries ----------------------------------------------------------------------
     def summary(self) -> dict[str, float]:
