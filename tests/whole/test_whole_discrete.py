@@ -66,6 +66,8 @@ LOOKUP = {
     "falcon-tied-vocab16": (FALCON, False),
     "falcon-tied-vocab36": (dict(FALCON, vocab_size=36), False),
     "falcon-tied-vocab64": (dict(FALCON, vocab_size=64), True),
+    "neox-tied-width12-vocab39": (dict(NEOX, hidden_size=12, intermediate_size=12, vocab_size=39,
+                                       rotary_pct=1.0, tie_word_embeddings=True), True),
     "neox-tied-vocab24": (dict(NEOX, vocab_size=24, tie_word_embeddings=True), False),
     "neox-parallel-vocab7-below-width": (dict(NEOX, vocab_size=7), False),
 }
