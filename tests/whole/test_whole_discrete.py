@@ -88,8 +88,7 @@ DOMAIN = {
     "bert-one-position-two-types": (dict(BERT, max_position_embeddings=1), False),
 }
 CASES = {**LOOKUP, **DOMAIN}
-FAST = ("neox-vocab16-issue", "neox-vocab64-issue", "falcon-tied-vocab16", "llama-vocab8-equals-width",
-        "gpt2-one-position")
+FAST = ("neox-vocab16-issue", "falcon-tied-vocab16", "llama-vocab8-equals-width", "gpt2-one-position")
 
 
 def _check(name):

@@ -6,7 +6,9 @@ The function is the one the architecture names (``architectures`` in config.json
 vocabulary at every position, i.e. logits centred over the vocabulary (the kernel of
 log-softmax's Jacobian is the constant shift, which the centring quotients out); a bare
 ``...Model``: the last hidden states. Inputs: every token at every position of sequences as
-long as the learned position table (or ``seq_len`` without one), every token type.
+long as the learned position table (or ``seq_len`` without one), every token type, and at
+least ``3P / (T d)`` sequences: each position reaches the parameters below the head through
+its ``d``-dimensional hidden state (docs/theory.md §13.16).
 
 Traps handled here: Hugging Face computes RMSNorm, softmax and some attention scores in
 float32 even inside a float64 model; :class:`Float64Mode` keeps every such cast in float64 (the
@@ -169,7 +171,10 @@ def arbiter_whole(config: dict[str, Any], *, seed: int = 0, seq_len: int = 6,
     T = table - pad - 1 if table and pad is not None else table or seq_len
     vocab = int(config["vocab_size"])
     P = sum(p.numel() for p in model.parameters())
-    width = vocab if kind == "logprobs" else int(model.config.hidden_size)
+    # each position's outputs reach the parameters below the head through its d-dimensional
+    # hidden state: count d rows per position (vocab-wide logits overstate it: too few
+    # sequences left 24 false null directions on pythia's reduced config)
+    width = int(model.config.hidden_size)
     n = n_sequences or max(vocab, -(-3 * P // (T * width)), 8)
     x = inputs_for(model, vocab, T, n, seed)
     fwd = whole_forward(kind, n_types, tied_aliases(model))
