@@ -56,4 +56,7 @@ def test_reproduce_section_quick():
     s = run_section(quick=True)
     assert s.claims and all(c.holds for c in s.claims), s.claims
     checks = next(t for t in s.tables if t.stem == "whole_model_checks").rows
-    assert {r["model"] for r in checks} == {"gpt2", "Llama-2-7b", "Qwen3-8B"}
+    from attnid.report.whole import DISCRETE
+
+    assert {r["model"] for r in checks} == {"gpt2", "Llama-2-7b", "Qwen3-8B", *DISCRETE}
+    assert [r["exact"] for r in checks if r["model"] in DISCRETE] == [True, False], checks

@@ -65,8 +65,8 @@ def verify_cmd(
         "(config.json, model directory, bundled name, or org/name from the local Hugging Face "
         "cache).")] = None,
     whole: Annotated[bool, typer.Option(
-        "--whole", help="With --hf-config: every parameter of the reduced model, not only one "
-        "attention layer.")] = False,
+        "--whole", help="With --hf-config: every parameter of the model, not only one attention "
+        "layer; the config as given when it has at most 3,000 parameters, else reduced.")] = False,
     json_out: Json = False,
 ) -> None:
     """Arbiter (Jacobian rank, float64) against the closed form; exit 1 on disagreement."""
@@ -126,14 +126,17 @@ def _verify_whole(hf_config: str, seed: int, confirm: bool, json_out: bool) -> N
         emit_json(d)
     else:
         gap = d["spectral_gap"]
+        bound = "" if d["exact"] else " (a lower bound)"
         typer.echo(
-            f"{'AGREE' if result.agree else 'DISAGREE'}  {d['model']}\n"
+            f"{d['status']}  {d['model']}\n"
             f"  function: {d['function']}   parameters {d['total']} (theory {d['total_theory']})   "
-            f"unidentified: theory {d['unidentified_theory']}, arbiter {d['unidentified_numeric']}   "
-            f"near-unidentified: theory {d['near_unidentified_theory']}, arbiter "
-            f"{d['near_unidentified_numeric']}\n"
+            f"unidentified: theory {d['unidentified_theory']}{bound}, arbiter "
+            f"{d['unidentified_numeric']}   near-unidentified: theory "
+            f"{d['near_unidentified_theory']}, arbiter {d['near_unidentified_numeric']}\n"
             f"  spectral gap {'n/a' if gap is None else f'{gap:.2e}'}   stable across seeds: "
             f"{d['stable']}   {d['seconds']:.2f}s")
+        for reason in d["reasons"]:
+            typer.echo(f"  lower bound: {reason}")
         for k, v in d["components"].items():
             typer.echo(f"    {k:<21} params {v['params']:>8}  unidentified {v['unidentified']:>6}"
                        f"  near {v['near_unidentified']}")
@@ -219,9 +222,13 @@ def _echo_whole(rep: dict) -> None:
     if w["unidentified"] is None:
         typer.echo(f"whole model: {w['method']}")
         return
-    typer.echo(f"whole model: {w['total']:,} parameters, unidentified {w['unidentified']:,} "
-               f"(ratio {w['ratio']:.3g}), near-unidentified {w['near_unidentified']:,}; identified "
-               f"{w['identified']:,} [{w['method']}]")
+    exact = w.get("exact", True)
+    typer.echo(f"whole model: {w['total']:,} parameters, unidentified "
+               f"{'' if exact else 'at least '}{w['unidentified']:,} (ratio {w['ratio']:.3g}), "
+               f"near-unidentified {w['near_unidentified']:,}; identified "
+               f"{'' if exact else 'at most '}{w['identified']:,} [{w['method']}]")
+    for reason in w.get("reasons", []):
+        typer.echo(f"  lower bound: {reason}")
     for k, v in w["components"].items():
         typer.echo(f"  {k:<24} params {v['params']:>16,}  unidentified {v['unidentified']:>12,}"
                    f"  near {v['near_unidentified']:,}")

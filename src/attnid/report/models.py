@@ -143,6 +143,8 @@ def _whole_cells(r: dict[str, Any]) -> dict[str, Any]:
     if w["method"] != "closed form":
         return {"whole_unidentified": f"{w['unidentified']} of {w['total']} (reduced)",
                 "whole_ratio": None}
+    if not w.get("exact", True):  # a lower bound (docs/theory.md §13.17)
+        return {"whole_unidentified": f">= {w['unidentified']}", "whole_ratio": None}
     return {"whole_unidentified": w["unidentified"], "whole_ratio": float(f"{w['ratio']:.3g}")}
 
 

@@ -17,6 +17,12 @@ independent of each other:
   ``padding_idx`` (components ``unreachable_positions``, ``padding``);
 * MLP: one scale per neuron for ReLU and gated MLPs;
 * head: next-token log-probabilities ignore a shift constant across the vocabulary.
+
+These assume every reader sees generic points of its input space. A model's input is a
+token id, so the readers before the first attention see finitely many points;
+:mod:`attnid.theory.discrete` adds what that costs (component ``discrete_inputs``) and sets
+``exact`` False, with ``reasons``, where the count is only a lower bound (docs/theory.md
+§13.17).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from attnid.errors import AttnidError
 from attnid.spec import AttentionSpec
 from attnid.structure import Structure
 from attnid.theory.attention import Component, ComponentTotals, count
+from attnid.theory.discrete import discrete_inputs, mlp_terms
 
 
 @dataclass(frozen=True)
@@ -38,11 +45,15 @@ class WholeCount(ComponentTotals):
     components: dict[str, Component] = field(default_factory=dict)
     method: str = "closed form"
     reduced_config: dict[str, Any] | None = None  # numeric counts: the config counted
+    exact: bool = True  # False: ``unidentified`` is a lower bound, for ``reasons``
+    reasons: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {
             **self.totals_dict(),
             "method": self.method,
+            "exact": self.exact,
+            "reasons": list(self.reasons),
             **({"reduced_config": self.reduced_config} if self.reduced_config else {}),
         }
 
@@ -109,15 +120,16 @@ def count_structure(st: Structure) -> WholeCount:
         else:
             _norm(st, attn_r, out)
             _norm(st, mlp_r, out)
-        n_mats = 3 if st.mlp == "gated" else 2
-        bias = (st.d_ff * (n_mats - 1) + d) if st.mlp_bias else 0
-        _add(out, "mlp", n_mats * d * st.d_ff + bias,
-             st.d_ff if st.mlp in ("relu", "gated") else 0)
+        m = mlp_terms(st)
+        _add(out, "mlp", m.params, m.scalings)
         if layer:  # the all-ones component of each write into the stream
-            _add(out, "residual", 0, s.n_heads * s.v_head_dim + s.has_bias("o")
-                 + st.d_ff + st.mlp_bias)
-        if st.layout == "parallel" and s.has_bias("o") and st.mlp_bias:
-            _add(out, "residual", 0, w)  # two output biases added to one stream
+            _add(out, "residual", 0, s.n_heads * s.v_head_dim + s.has_bias("o") + m.ones)
+        if st.layout == "parallel" and st.mlp_bias:
+            if s.has_bias("o"):
+                _add(out, "residual", 0, w)  # two output biases added to one stream
+            elif seen.spec.has_bias("v"):  # value offsets reach the stream as a constant (§4.2),
+                # which the MLP's output bias takes back (§13.9)
+                _add(out, "residual", 0, min(s.n_kv_heads * s.v_head_dim, w))
     _norm(st, [(V, False)] if free_unembed else None, out)  # the final norm
     # residual stream: rotations (untied LM only), scale (near: the norms' eps sees it)
     _add(out, "residual", 0, w * (w - 1) // 2 if free_unembed else 0)
@@ -125,7 +137,17 @@ def count_structure(st: Structure) -> WholeCount:
     _embeddings(st, out)
     if lm and not st.tied:
         _add(out, "head", V * d, d)  # logits shifted by a constant across the vocabulary
-    return WholeCount(st, {k: Component(*v) for k, v in out.items()})
+    return _on_domain(st, out)
+
+
+def _on_domain(st: Structure, out: dict[str, list[int]]) -> WholeCount:
+    """The generic count ``out`` on the model's real, finite input domain (§13.17)."""
+    generic = WholeCount(st, {k: Component(*v) for k, v in out.items()})
+    terms = discrete_inputs(st, generic.unidentified, generic.total)
+    if terms.unidentified or terms.near_unidentified:
+        _add(out, "discrete_inputs", 0, terms.unidentified, terms.near_unidentified)
+    return WholeCount(st, {k: Component(*v) for k, v in out.items()}, exact=terms.exact,
+                      reasons=terms.reasons)
 
 
 
@@ -201,4 +223,4 @@ def _count_post(st: Structure) -> WholeCount:
         _add(out, "head", params, unid)
     if st.pooler:
         _add(out, "head", d * d + d, d * d + d)  # the hidden states never reach the pooler
-    return WholeCount(st, {k: Component(*v) for k, v in out.items()})
+    return _on_domain(st, out)

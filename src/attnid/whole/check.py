@@ -6,7 +6,9 @@ The function is the one the architecture names (``architectures`` in config.json
 vocabulary at every position, i.e. logits centred over the vocabulary (the kernel of
 log-softmax's Jacobian is the constant shift, which the centring quotients out); a bare
 ``...Model``: the last hidden states. Inputs: every token at every position of sequences as
-long as the learned position table (or ``seq_len`` without one), every token type.
+long as the learned position table (or ``seq_len`` without one), every token type, and at
+least ``3P / (T d)`` sequences: each position reaches the parameters below the head through
+its ``d``-dimensional hidden state (docs/theory.md §13.16).
 
 Traps handled here: Hugging Face computes RMSNorm, softmax and some attention scores in
 float32 even inside a float64 model; :class:`Float64Mode` keeps every such cast in float64 (the
@@ -153,7 +155,10 @@ def arbiter_whole(config: dict[str, Any], *, seed: int = 0, seq_len: int = 6,
     T = table - pad - 1 if table and pad is not None else table or seq_len
     vocab = int(config["vocab_size"])
     P = sum(p.numel() for p in model.parameters())
-    width = vocab if kind == "logprobs" else int(model.config.hidden_size)
+    # each position's outputs reach the parameters below the head through its d-dimensional
+    # hidden state: count d rows per position (vocab-wide logits overstate it: too few
+    # sequences left 24 false null directions on pythia's reduced config)
+    width = int(model.config.hidden_size)
     n = n_sequences or max(vocab, -(-3 * P // (T * width)), 8)
     x = inputs_for(model, vocab, T, n, seed)
     fwd = whole_forward(kind, n_types, tied_aliases(model))
@@ -174,15 +179,14 @@ REDUCED_KEYS = ("hidden_size", "n_embd", "num_attention_heads", "n_head", "num_k
 def reduced_whole_config(adapter: Any, config: dict[str, Any]) -> dict[str, Any]:
     """The attention's reduced config (same grouping, rotary fraction, biases, norms) with a
     tiny whole model around it: one layer, 6 MLP units, a 6-row position table, eps 1e-2 (so
-    near-unidentified directions stand clear), the config's own tying. A parallel layout's
-    first MLP sees only the vocabulary's rows, so it gets max(5 d, 40) tokens (enough to pin it down);
-    the vocabulary stays well above the width (with ``V <= d`` more directions are lost)."""
+    near-unidentified directions stand clear), the config's own tying, and the smallest
+    vocabulary from ``max(16, 2 d + 8)`` up at which no discrete-input condition binds
+    (docs/theory.md §13.17: the closed form is exact there, as for the full-size model)."""
     small = adapter.reduce(config)
     st = adapter.whole(config)
     d = int(small.get("hidden_size") or small.get("n_embd"))
-    vocab = max(5 * d, 40) if st.layout == "parallel" else max(16, 2 * d + 8)  # well above d
-    out = dict(small, vocab_size=vocab, tie_word_embeddings=st.tied, pad_token_id=st.padding_idx,
-               bos_token_id=None, eos_token_id=None)
+    out = dict(small, vocab_size=max(16, 2 * d + 8), tie_word_embeddings=st.tied,
+               pad_token_id=st.padding_idx, bos_token_id=None, eos_token_id=None)
     for key in ("num_hidden_layers", "n_layer"):
         if key in out or key == "num_hidden_layers":
             out[key] = 1
@@ -194,7 +198,15 @@ def reduced_whole_config(adapter: Any, config: dict[str, Any]) -> dict[str, Any]
             out[key] = 6
     for key in ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon"):
         out[key] = 1e-2
+    while not _generic(adapter.whole(out)):
+        out["vocab_size"] += 8
     return out
+
+
+def _generic(st: Any) -> bool:
+    """No discrete-input condition binds (docs/theory.md §13.17)."""
+    c = count_structure(st)
+    return c.exact and "discrete_inputs" not in c.components
 
 
 def numeric_whole(adapter: Any, config: dict[str, Any], *, seed: int = 0):
@@ -210,12 +222,17 @@ def numeric_whole(adapter: Any, config: dict[str, Any], *, seed: int = 0):
 
 @dataclass(frozen=True)
 class WholeVerification:
-    """The whole-model closed form next to the arbiter, at one or two random points."""
+    """The whole-model closed form next to the arbiter, at one or two random points.
+
+    An exact count must equal the arbiter's; a count flagged as a lower bound
+    (``theory.exact`` False, docs/theory.md §13.17) must not exceed it."""
 
     label: str
     theory: Any  # WholeCount
     arbiter: WholeArbiter
     confirm: WholeArbiter | None
+    config: dict[str, Any] | None = None  # the sizes checked (REDUCED_KEYS)
+    reduced: bool = False  # True: a reduced config of the same structure, not the one given
 
     @property
     def stable(self) -> bool:
@@ -225,10 +242,19 @@ class WholeVerification:
 
     @property
     def agree(self) -> bool:
-        a = self.arbiter
-        return self.stable and a.result.n_params == self.theory.total and (
-            a.unidentified, a.near_unidentified) == (self.theory.unidentified,
-                                                     self.theory.near_unidentified)
+        a, t = self.arbiter, self.theory
+        if not (self.stable and a.result.n_params == t.total):
+            return False
+        if t.exact:
+            return (a.unidentified, a.near_unidentified) == (t.unidentified, t.near_unidentified)
+        return t.unidentified <= a.unidentified  # a lower bound (near: not bounded)
+
+    @property
+    def status(self) -> str:
+        """AGREE (exact and equal), BOUND HOLDS (a lower bound, not exceeded), DISAGREE."""
+        if not self.agree:
+            return "DISAGREE"
+        return "AGREE" if self.theory.exact else "BOUND HOLDS"
 
     def to_dict(self) -> dict[str, Any]:
         a = self.arbiter.result
@@ -238,6 +264,8 @@ class WholeVerification:
             "unidentified_theory": self.theory.unidentified,
             "near_unidentified_numeric": self.arbiter.near_unidentified,
             "near_unidentified_theory": self.theory.near_unidentified, "agree": self.agree,
+            "status": self.status, "exact": self.theory.exact, "reasons": list(self.theory.reasons),
+            "reduced": self.reduced, "config": self.config,
             "stable": self.stable, "spectral_gap": a.spectral_gap, "n_sequences": a.n_sequences,
             "seq_len": a.seq_len, "n_rows": a.n_rows, "seconds": a.seconds,
             "components": self.theory.to_dict()["components"],
@@ -245,8 +273,8 @@ class WholeVerification:
         }
 
 
-def verify_whole(config: dict[str, Any], label: str, *, seed: int = 0, confirm: bool | None = None
-                 ) -> WholeVerification:
+def verify_whole(config: dict[str, Any], label: str, *, seed: int = 0, confirm: bool | None = None,
+                 reduced: bool = False) -> WholeVerification:
     """Closed form against the whole-model arbiter on ``config`` (already tiny).
 
     ``confirm``: ``None`` takes the second look (another seed, twice the sequences) only when
@@ -256,25 +284,54 @@ def verify_whole(config: dict[str, Any], label: str, *, seed: int = 0, confirm: 
     theory = count_structure(adapter_for(config).whole(config))
     first = arbiter_whole(config, seed=seed)
     if confirm is None:
-        found = (first.result.n_params, first.unidentified, first.near_unidentified)
         gap = first.result.spectral_gap
-        confirm = found != (theory.total, theory.unidentified, theory.near_unidentified) or (
+        confirm = not WholeVerification(label, theory, first, None).agree or (
             gap is not None and gap < CLEAR_GAP)
     second = arbiter_whole(config, seed=seed + 1,
                            n_sequences=2 * first.result.n_sequences) if confirm else None
-    return WholeVerification(label, theory, first, second)
+    shown = {k: config[k] for k in REDUCED_KEYS if config.get(k) is not None}
+    return WholeVerification(label, theory, first, second, shown, reduced)
 
 
-def verify_whole_hf_config(model: str, *, seed: int = 0, confirm: bool | None = None
-                           ) -> WholeVerification:
-    """``attnid verify --hf-config MODEL --whole``: the whole reduced model."""
+# The arbiter's cost grows about as P^2.7 (measured on 2 busy cores: 872 parameters about
+# 5 s, 2,868 about 50 s, 4,304 about 3 minutes): configs up to this size are checked as given.
+AS_GIVEN_MAX_PARAMS = 3000
+
+
+EPS_KEYS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon")
+
+
+def _eps_clear(adapter: Any, config: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """The config with a norm eps below 1e-6 (but not 0) raised to 1e-2: the count does not
+    depend on eps > 0, but near-unidentified directions (seen only through eps, §12.5) must
+    stand clear of float64 rounding to be told from exact ones."""
+    eps = adapter.whole(config).eps
+    if not 0 < eps < 1e-6:
+        return config, ""
+    keys = [k for k in EPS_KEYS if k in config] or list(EPS_KEYS)
+    return {**config, **dict.fromkeys(keys, 1e-2)}, (
+        f"; norm eps {eps:g} raised to 1e-2 so that near-unidentified directions stand clear "
+        "of rounding")
+
+
+def verify_whole_hf_config(model: str, *, seed: int = 0, confirm: bool | None = None,
+                           max_params: int = AS_GIVEN_MAX_PARAMS) -> WholeVerification:
+    """``attnid verify --hf-config MODEL --whole``: the config as given when it has at most
+    ``max_params`` parameters, else a reduced config of the same structure (said in the
+    label and in ``reduced``)."""
     name, config = load_config(model)
     adapter = adapter_for(config)
     if not adapter.closed_form or adapter.unsupported_whole(config):
         raise AttnidError(f"{adapter.family} has no whole-model closed form to compare with; "
                           "`attnid report` shows its numeric whole-model count")
+    arch = (config.get("architectures") or [adapter.model_type])[0]
+    total = count_structure(adapter.whole(config)).total
+    if total <= max_params:
+        given, note = _eps_clear(adapter, config)
+        return verify_whole(given, f"{name} ({arch}, whole model, as given: {total} parameters"
+                            f"{note})", seed=seed, confirm=confirm)
     small = reduced_whole_config(adapter, config)
-    arch = (small.get("architectures") or [adapter.model_type])[0]
     shown = {k: small[k] for k in REDUCED_KEYS if small.get(k) is not None}
-    return verify_whole(small, f"{name} ({arch}, whole model, reduced: {shown})", seed=seed,
-                        confirm=confirm)
+    return verify_whole(small, f"{name} ({arch}, whole model, reduced: {total:,} parameters "
+                        f"is over the {max_params:,} checked as given; checked {shown})",
+                        seed=seed, confirm=confirm, reduced=True)
