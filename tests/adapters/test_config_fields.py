@@ -108,3 +108,17 @@ def test_tiny_models_build_without_token_id_warnings():
     proc = subprocess.run([sys.executable, "-c", QUIET], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert "token_id" not in proc.stderr, proc.stderr
+
+
+def test_neox_odd_rotary_width_is_refused(tmp_path, capsys):
+    # measured: rotary_pct 0.25 of head size 4 makes Hugging Face rotate 1 dim; the adapter
+    # truncated it to 0 and the whole-model count read 294 against the arbiter's 270
+    from attnid.cli import main
+
+    c = {"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", "hidden_size": 8,
+         "num_attention_heads": 2, "num_hidden_layers": 1, "intermediate_size": 16, "vocab_size": 64,
+         "rotary_pct": 0.25}
+    (tmp_path / "config.json").write_text(__import__("json").dumps(c))
+    assert main(["report", str(tmp_path / "config.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "rotates 1 dims, an odd number" in err[0] and "config.json" in err[0], err

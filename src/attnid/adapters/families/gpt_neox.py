@@ -19,7 +19,9 @@ from attnid.adapters.base import (
     rope_param,
     split_heads_out,
 )
+from attnid.adapters.config import source_of
 from attnid.adapters.registry import register
+from attnid.errors import AttnidError
 from attnid.spec import AttentionSpec
 from attnid.structure import Structure
 from attnid.weights import AttentionWeights
@@ -40,7 +42,10 @@ class GPTNeoX(Adapter):
         if dk == 0:  # more heads than width: the spec refuses it, naming the fields
             return 0.0
         r = int(dk * frac)  # GPT-NeoX truncates
-        return (r - r % 2) / dk
+        if r % 2:  # Hugging Face then rotates an odd number of dims: no pairs to count
+            raise AttnidError(f"{source_of(c)}: rotary_pct {frac:g} of head size {dk} rotates {r} dims, "
+                              "an odd number; attnid counts rotations of whole (even) pairs only")
+        return r / dk
 
     def spec(self, c: Config) -> AttentionSpec:
         s = super().spec(c)
