@@ -63,7 +63,9 @@ def canonicalize(in_dir: str | Path, out_dir: str | Path, *, drop_key_bias: bool
     )
     stats = {"max_abs_diff": 0.0, "max_rel_diff": 0.0, "key_bias_dropped": 0,
              "value_bias_folded": 0, "heads_balanced": 0, "norms_folded": 0}
-    folded = _fold_norms(ck, stats) if fold_norms else {}
+    if fold_norms:
+        require("transformers", "hf")
+    folded = FoldedNorms(ck, stats) if fold_norms else None
     e2e = _write_verified(ck, ops, folded, stats, dst, end_to_end_max_bytes)
     return {**stats, "end_to_end_rel_diff": e2e, "layers": ck.n_layers,
             "operations": asdict(ops), "architecture": ck.adapter.family,
@@ -86,34 +88,54 @@ def check_out_dir(in_dir: str | Path, out_dir: str | Path, force: bool) -> tuple
     return src, dst
 
 
-def _fold_norms(ck: Checkpoint, stats: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """--fold-norms: every absorbable norm gain into its readers (float64, checked per norm);
-    the folded tensors by checkpoint name."""
-    require("transformers", "hf")
-    from attnid.whole.transforms.fold import fold_norm_tensors, foldable_norms  # torch + transformers
+class FoldedNorms:
+    """--fold-norms: every absorbable norm gain folded into its readers by the one folding path
+    (`attnid.whole.transforms.fold_norm_gains` on `ModelTensors`), one unit (a layer) at a
+    time, each fold checked on random inputs of the norm's readers (float64)."""
 
-    def get(name: str) -> torch.Tensor | None:
-        n = ck.resolve(name)
-        return None if n is None else ck.tensor(n).double()
+    def __init__(self, ck: Checkpoint, stats: dict[str, Any]) -> None:
+        from attnid.checkpoint.units import open_units  # transformers: only with --fold-norms
+        from attnid.whole.transforms.norms import foldable
 
-    norms = foldable_norms(ck.config)
-    folded, worst = fold_norm_tensors(norms, get)
-    if not math.isfinite(worst) or worst > tolerance(torch.float64):
-        raise AttnidError(f"refused: folding norm gains changed a reader's output by {worst:.2e}")
-    stats["norms_folded"] = len(norms)
-    stats["max_rel_diff"] = max(stats["max_rel_diff"], worst)
-    return {ck.resolve(k): v for k, v in folded.items()}
+        self.units = open_units(ck)
+        self.unit_of = {c: self.units.unit_of[s] for s, c in self.units.to_ck.items()}
+        self.stats = stats
+        self.cache: dict[int, dict[str, torch.Tensor]] = {}
+        self.gen = torch.Generator().manual_seed(0)
+        stats["norms_folded"] = sum(foldable(nm) for nm in self.units.layout.norms)
+
+    def get(self, name: str) -> torch.Tensor | None:
+        """The folded float64 tensor of checkpoint name ``name`` (None where folding leaves it)."""
+        if name not in self.unit_of:
+            return None
+        u = self.unit_of[name]
+        if u not in self.cache:
+            from attnid.checkpoint.units import fold_check
+            from attnid.whole.transforms.norms import fold_norm_gains
+
+            if len(self.cache) > 2:  # units come in order: keep a few
+                self.cache.pop(next(iter(self.cache)))
+            before = self.units.load(u)
+            after = fold_norm_gains(before)
+            worst = fold_check(before, after, self.gen)
+            if not math.isfinite(worst) or worst > tolerance(torch.float64):
+                raise AttnidError(f"refused: folding norm gains changed a reader's output by {worst:.2e}")
+            self.stats["max_rel_diff"] = max(self.stats["max_rel_diff"], worst)
+            self.cache[u] = {self.units.to_ck[n]: t for n, t in after.tensors.items()
+                             if t is not before.tensors[n]}
+        return self.cache[u].get(name)
 
 
-def rewrite_layer(ck: Checkpoint, i: int, ops: Operations, folded: dict[str, torch.Tensor],
+def rewrite_layer(ck: Checkpoint, i: int, ops: Operations, folded: FoldedNorms | None,
                   stats: dict[str, Any], gen: torch.Generator) -> dict[str, torch.Tensor]:
     """Layer ``i``'s rewritten tensors (full names, stored dtype), checked in float64 first."""
     s, adapter, prefix = ck.specs[i], ck.adapter, ck.prefix
     raw = {}
     for n in adapter.names(i, s):
         raw[n] = ck.tensor(prefix + n)
-        if prefix + n in folded:  # a norm's gain folded into this reader first
-            raw[n] = folded[prefix + n].to(raw[n].dtype)
+        f = None if folded is None else folded.get(prefix + n)
+        if f is not None:  # a norm's gain folded into this reader first
+            raw[n] = f.to(raw[n].dtype)
     dtype = next(iter(raw.values())).dtype
     w0 = adapter.read({k: v.double() for k, v in raw.items()}, i, s)
     written = {k: v.to(dtype) for k, v in adapter.write(transform(w0, ops, stats), i).items()}
@@ -125,7 +147,7 @@ def rewrite_layer(ck: Checkpoint, i: int, ops: Operations, folded: dict[str, tor
     return {prefix + k: v for k, v in written.items()}
 
 
-def _write_verified(ck: Checkpoint, ops: Operations, folded: dict[str, torch.Tensor],
+def _write_verified(ck: Checkpoint, ops: Operations, folded: FoldedNorms | None,
                     stats: dict[str, Any], dst: Path, end_to_end_max_bytes: int) -> float | None:
     """Write into a fresh sibling of ``dst``, verify, then move it into place; returns the
     end-to-end relative difference (``None`` when the checkpoint is too big to load twice)."""
@@ -143,8 +165,9 @@ def _write_verified(ck: Checkpoint, ops: Operations, folded: dict[str, torch.Ten
                     if name not in cache:
                         cache.update(rewrite_layer(ck, owner[name], ops, folded, stats, gen))
                     return cache.pop(name)
-                if name in folded:
-                    return folded[name].to(DTYPES[ck.info(name).dtype])
+                f = None if folded is None else folded.get(name)
+                if f is not None:
+                    return f.to(DTYPES[ck.info(name).dtype])
                 return ck.tensor(name)  # untouched: its stored bytes, any dtype
 
             entries = [(n, f.info(n).dtype, f.info(n).shape) for n in f.names]
