@@ -115,7 +115,7 @@ class FoldedNorms:
 
             if len(self.cache) > 2:  # units come in order: keep a few
                 self.cache.pop(next(iter(self.cache)))
-            before = self.units.load(u)
+            before = self.units.load(u, torch.float64)
             after = fold_norm_gains(before)
             worst = fold_check(before, after, self.gen)
             if not math.isfinite(worst) or worst > tolerance(torch.float64):

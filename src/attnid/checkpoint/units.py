@@ -17,16 +17,23 @@ import torch
 
 from attnid.checkpoint.load import Checkpoint
 from attnid.errors import AttnidError, require
+from attnid.whole.fit.source import assign_units, unit_extras
 from attnid.whole.transforms.layout import Layout
 from attnid.whole.transforms.state import ModelTensors
 
 
 @dataclass(frozen=True)
 class Units:
+    """A checkpoint as a `attnid.whole.fit.source.UnitSource`."""
+
     ck: Checkpoint
     layout: Layout
     to_ck: dict[str, str]  # state_dict name -> checkpoint name (only those the checkpoint holds)
     unit_of: dict[str, int]  # state_dict name -> 0 tables, 1..L layer, L + 1 the rest
+
+    @property
+    def config(self) -> dict:
+        return self.ck.config
 
     @property
     def count(self) -> int:
@@ -36,16 +43,20 @@ class Units:
         """The ``state_dict`` names of a unit that the checkpoint holds."""
         return [n for n, u in self.unit_of.items() if u == unit]
 
-    def from_ck(self) -> dict[str, str]:
-        return {c: s for s, c in self.to_ck.items()}
-
-    def load(self, unit: int, dtype: torch.dtype = torch.float64) -> ModelTensors:
-        """A unit's tensors, floating ones in ``dtype`` (the checkpoint's NaN check applies)."""
+    def load(self, unit: int, dtype: torch.dtype | None = None) -> ModelTensors:
+        """A unit's tensors (with what it needs from another unit), floating ones in ``dtype``
+        (None: as stored); the checkpoint's NaN check applies."""
         out = {}
-        for n in self.names(unit):
+        for n in [*self.names(unit), *(x for x in unit_extras(self.layout, unit) if x in self.to_ck)]:
             t = self.ck.tensor(self.to_ck[n])
-            out[n] = t.to(dtype) if t.is_floating_point() else t
+            out[n] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
         return ModelTensors(self.layout, out, self.ck.config)
+
+    def dtype(self) -> torch.dtype:
+        return self.ck.dtype()
+
+    def label(self, name: str) -> str:
+        return self.to_ck.get(name, name)
 
 
 def open_units(ck: Checkpoint) -> Units:
@@ -61,22 +72,7 @@ def open_units(ck: Checkpoint) -> Units:
         raise AttnidError(f"{ck.root}: transformers cannot build {ck.adapter.family} from its "
                           f"config.json: {e}") from None
     to_ck = {s: c for s in state_names(ck.config) if (c := ck.resolve(s)) is not None}
-    tables = {f"{t}.weight" for t in lay.tables}
-    L = len(lay.layers)
-
-    def unit(name: str) -> int:
-        if name in tables:
-            return 0
-        return next((i + 1 for i, p in enumerate(lay.layers) if name.startswith(p)), L + 1)
-
-    unit_of = {s: unit(s) for s in to_ck}
-    for nm in (*lay.norms, *(() if lay.final is None else (lay.final,))):
-        if nm.readers and f"{nm.readers[0].path}.weight" in unit_of:  # a norm goes with its readers
-            u = unit_of[f"{nm.readers[0].path}.weight"]
-            for suffix in (".weight", ".bias"):
-                if nm.path + suffix in unit_of:
-                    unit_of[nm.path + suffix] = u
-    return Units(ck, lay, to_ck, unit_of)
+    return Units(ck, lay, to_ck, assign_units(lay, to_ck))
 
 
 def fold_check(before: ModelTensors, after: ModelTensors, gen: torch.Generator) -> float:

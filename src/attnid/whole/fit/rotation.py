@@ -1,0 +1,36 @@
+"""The residual-stream rotation that maps B onto A (docs/theory.md §13.6, §13.17): orthogonal
+Procrustes on gauge-fixed rows that live in the stream (embedding and unembedding rows, or a
+layer's reader rows and writer columns): ``Q = argmin ||X_B Q - X_A||`` over ``O(d)``, or, under
+LayerNorm, over the rotations fixing all-ones (both sides are already orthogonal to all-ones,
+so the fit runs in that complement). For B an exact rotation of A the fit is exact whenever the
+rows span the stream (``X_A`` of rank ``d``: a vocabulary wider than the model does it)."""
+
+from __future__ import annotations
+
+import torch
+
+from attnid.whole.transforms.orthogonal import ones_complement
+
+
+def polar(M: torch.Tensor) -> torch.Tensor:
+    """The orthogonal factor of ``M`` (``U V^T`` of its SVD): the Procrustes solution."""
+    U, _, Vh = torch.linalg.svd(M)
+    return U @ Vh
+
+
+def rows(X: torch.Tensor, n: int) -> torch.Tensor:
+    """At most ``n`` rows of ``X``, evenly spaced (deterministic)."""
+    if X.shape[0] <= n:
+        return X
+    return X[torch.linspace(0, X.shape[0] - 1, n).round().long()]
+
+
+def procrustes(XB: torch.Tensor, XA: torch.Tensor, layer_norm: bool) -> torch.Tensor:
+    """``Q [d, d]`` orthogonal minimising ``||XB Q - XA||`` (``Q 1 = 1`` under LayerNorm)."""
+    M = XB.T @ XA  # [d, d]
+    if not layer_norm:
+        return polar(M)
+    d = M.shape[0]
+    U = ones_complement(d).to(M.dtype)  # [d, d - 1]
+    R = polar(U.T @ M @ U)
+    return U @ R @ U.T + torch.full((d, d), 1.0 / d, dtype=M.dtype)
