@@ -170,46 +170,49 @@ def fit(a: UnitSource, b: UnitSource, *, probe_k: int | None = None,
     if a.layout != b.layout:
         raise AttnidError("the two models do not have the same layout")
     f = _Fitter(a, b, probe_k, progress)
-    L, lay = f.L, f.lay
-    # 1. the rotation, from the tables and the unembedding
-    ha, hb = a.load(L + 1), b.load(L + 1)
-    ta, tb = a.load(0), b.load(0)
-    why = rotation_refusal(lay, _uniform_final(ha)) or rotation_refusal(lay, _uniform_final(hb))
-    pairs = [(_stream_rows(ta, 0, f.cd), _stream_rows(tb, 0, f.cd)),
-             (_stream_rows(ha, L + 1, f.cd), _stream_rows(hb, L + 1, f.cd))]
-    Qt = _procrustes(pairs, lay.norm == "layer")
-    Q, how = (None, why) if why else (Qt, "fitted on the embedding and unembedding rows")
+    L = f.L
+    rot = _Rotations(f)
+    Q, how = rot.first()
     f.progress(f"rotation: {how}")
-    table_note = None
-    if Q is not None and L:
-        Q, how = _witness(f, Q, how)
-    elif Qt is not None:  # no symmetry here: say so where a rotation is what B looks like
-        plain = f.compare(ta, tb, 0, None, with_fixed=False)
-        rotated = f.compare(ta, tb, 0, Qt, with_fixed=False)
-        if _worst(plain) > f.tol >= _worst(rotated):
-            table_note = f"B is A with its residual stream rotated, which is no symmetry here: {why}"
-    del ha, hb, ta, tb
-    # 2. every unit in forward order
-    results, raw = [], []
-    layers: list[LayerElement] = []
+    # every unit once, the tables, the head and the first two layers first: when they
+    # disagree with the rotation, the candidate more of them agree with is kept
+    first = list(dict.fromkeys(u for u in (0, L + 1, 1, 2) if u <= L + 1))
+    results: dict[int, tuple[UnitResult, float, dict[str, torch.Tensor]]] = {}
+    for u in [*first, *(u for u in range(1, L + 1) if u not in first)]:
+        results[u] = _unit(f, u, Q, rot.note)
+        f.progress(f"unit {u} of {L + 1}: worst residual {_worst(results[u][0]):.2e}")
+        if u == first[-1] and Q is not None and any(_worst(results[x][0]) > f.tol for x in first):
+            Q2, how2 = rot.best(first, Q, how)
+            if Q2 is not Q:
+                Q, how = Q2, how2
+                f.progress(f"rotation: {how}")
+                results |= {x: _unit(f, x, Q, None) for x in first}
+    units = [results[u][0] for u in range(L + 2)]
     gains: dict[str, torch.Tensor] = {}
-    for u in range(f.L + 2):
-        ma, mb = a.load(u), b.load(u)
-        r = f.compare(ma, mb, u, Q)
-        r.residuals += _leftovers(f, a, ma, mb, u, r)
-        if u == 0 and table_note:
-            r.residuals = [Residual(x.tensor, x.invariant, x.residual, x.head,
-                                    table_note if x.residual > f.tol else None) for x in r.residuals]
-        if _worst(r) > f.tol:
-            r = _diagnose(f, ma, mb, u, Q, r)
-        if 0 < u <= L:
-            layers.append(r.element or LayerElement())
-        gains |= _gains(ma, mb)
-        raw.append(_raw(a, ma, mb, u, f.cd))
-        results.append(r)
-        f.progress(f"unit {u} of {f.L + 1}: worst residual {_worst(r):.2e}")
-    element = GroupElement(rotation=Q, gains=gains, layers=tuple(layers))
-    return Fit(element, results, raw, f.tol, f.dtype, None if f.Z is None else f.Z.shape[1], how)
+    for u in range(L + 2):
+        gains |= results[u][2]
+    layers = tuple(r.element or LayerElement() for r in units[1:L + 1])
+    element = GroupElement(rotation=Q, gains=gains, layers=layers)
+    return Fit(element, units, [results[u][1] for u in range(L + 2)], f.tol, f.dtype,
+               None if f.Z is None else f.Z.shape[1], how)
+
+
+def _unit(f: _Fitter, u: int, Q: torch.Tensor | None, note: str | None
+          ) -> tuple[UnitResult, float, dict[str, torch.Tensor]]:
+    """One unit compared (leftover tensors and diagnoses included), its stored distance, and
+    the norm gauges it holds."""
+    a, b = f.a, f.b
+    ma, mb = a.load(u), b.load(u)
+    r = f.compare(ma, mb, u, Q)
+    r.residuals += _leftovers(f, a, ma, mb, u, r)
+    if u == 0 and note:  # the token table is where a forbidden rotation shows first
+        token = f"{f.lay.tables[0]}.weight"
+        r.residuals = [Residual(x.tensor, x.invariant, x.residual, x.head,
+                                note if x.residual > f.tol else None)
+                       for x in sorted(r.residuals, key=lambda x: x.tensor != token)]
+    if _worst(r) > f.tol:
+        r = _diagnose(f, ma, mb, u, Q, r)
+    return r, _raw(a, ma, mb, u, f.cd), _gains(ma, mb)
 
 
 def _worst(r: UnitResult) -> float:
@@ -220,24 +223,49 @@ def _passing(r: UnitResult, tol: float) -> int:
     return sum(x.residual <= tol for x in r.residuals)
 
 
-def _witness(f: _Fitter, Q: torch.Tensor, how: str) -> tuple[torch.Tensor, str]:
-    """When layer 0 disagrees with the tables' rotation, fit one on layer 0's own rows too and
-    keep the rotation that more of the first units agree with."""
-    a, b = f.a, f.b
-    units = [u for u in (0, 1, 2) if u <= f.L]
-    loaded = {u: (a.load(u), b.load(u)) for u in units}
-    first = f.compare(*loaded[1], 1, Q, with_fixed=False)
-    if _worst(first) <= f.tol:
-        return Q, how
-    Q1 = _procrustes([(_stream_rows(loaded[1][0], 1, f.cd), _stream_rows(loaded[1][1], 1, f.cd))],
-                     f.lay.norm == "layer")
-    if Q1 is None:
-        return Q, how
-    score = lambda R: sum(_passing(f.compare(*loaded[u], u, R, with_fixed=False), f.tol)  # noqa: E731
-                          for u in units)
-    if score(Q1) > score(Q):
-        return Q1, "fitted on layer 0's rows (the tables disagree with the rest of the model)"
-    return Q, how
+class _Rotations:
+    """Candidate rotations: Procrustes on the tables and the unembedding together (the
+    default), on each alone, on layer 0's rows; the kept one is what most pieces of the first
+    units agree with (so a table rotated twice, or a head whose gain was not folded, is the
+    odd one out instead of spoiling the fit)."""
+
+    def __init__(self, f: _Fitter) -> None:
+        self.f = f
+        L, cd = f.L, f.cd
+        ha, hb = f.a.load(L + 1), f.b.load(L + 1)
+        ta, tb = f.a.load(0), f.b.load(0)
+        self.why = rotation_refusal(f.lay, _uniform_final(ha)) or rotation_refusal(f.lay, _uniform_final(hb))
+        self.E = (_stream_rows(ta, 0, cd), _stream_rows(tb, 0, cd))
+        self.U = (_stream_rows(ha, L + 1, cd), _stream_rows(hb, L + 1, cd))
+        self.ln = f.lay.norm == "layer"
+        self.both = _procrustes([self.E, self.U], self.ln)
+        self.note: str | None = None
+        if self.why and self.both is not None:  # no symmetry here: say so where B looks rotated
+            plain = f.compare(ta, tb, 0, None, with_fixed=False)
+            rotated = f.compare(ta, tb, 0, self.both, with_fixed=False)
+            if _worst(plain) > f.tol >= _worst(rotated):
+                self.note = f"B is A with its residual stream rotated, which is no symmetry here: {self.why}"
+
+    def first(self) -> tuple[torch.Tensor | None, str]:
+        if self.why:
+            return None, self.why
+        return self.both, "fitted on the embedding and unembedding rows"
+
+    def best(self, units: list[int], Q: torch.Tensor, how: str) -> tuple[torch.Tensor, str]:
+        f = self.f
+        loaded = {u: (f.a.load(u), f.b.load(u)) for u in units}
+        cands = [(Q, how), (_procrustes([self.E], self.ln), "fitted on the embedding rows"),
+                 (_procrustes([self.U], self.ln), "fitted on the unembedding rows")]
+        if 1 in loaded:
+            rows = _procrustes([(_stream_rows(loaded[1][0], 1, f.cd), _stream_rows(loaded[1][1], 1, f.cd))],
+                               self.ln)
+            cands.append((rows, "fitted on layer 0's rows"))
+        score = {}
+        for k, (R, _) in enumerate(cands):
+            if R is not None:
+                score[k] = sum(_passing(f.compare(*loaded[u], u, R, with_fixed=False), f.tol) for u in units)
+        k = max(score, key=lambda k: (score[k], -k))
+        return cands[k] if k else (Q, how)
 
 
 def _diagnose(f: _Fitter, ma: ModelTensors, mb: ModelTensors, u: int, Q: torch.Tensor | None,
