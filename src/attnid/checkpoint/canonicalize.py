@@ -13,9 +13,6 @@ then moved into place. The input is never modified.
 from __future__ import annotations
 
 import math
-import os
-import secrets
-import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,8 +20,8 @@ from typing import Any
 
 import torch
 
-from attnid.adapters.base import hf_model_class
 from attnid.checkpoint.load import Checkpoint, open_checkpoint
+from attnid.checkpoint.output import check_out_dir, end_to_end, staged
 from attnid.errors import AttnidError, require
 from attnid.io import DTYPES, write_streaming
 from attnid.symmetry.rebalance import drop_key_bias as zero_free_key_bias
@@ -70,22 +67,6 @@ def canonicalize(in_dir: str | Path, out_dir: str | Path, *, drop_key_bias: bool
     return {**stats, "end_to_end_rel_diff": e2e, "layers": ck.n_layers,
             "operations": asdict(ops), "architecture": ck.adapter.family,
             "seconds": time.perf_counter() - start, "out_dir": str(dst)}
-
-
-def check_out_dir(in_dir: str | Path, out_dir: str | Path, force: bool) -> tuple[Path, Path]:
-    """``(IN_DIR, OUT_DIR)`` resolved, refused before any work when writing OUT_DIR could touch
-    the input or replace something without ``force``."""
-    src, dst = Path(in_dir).resolve(), Path(out_dir).resolve()
-    if not src.is_dir():
-        raise AttnidError(f"{in_dir} is not a directory")
-    if dst == src or dst in src.parents or src in dst.parents:
-        raise AttnidError("OUT_DIR must be neither IN_DIR nor inside it nor around it "
-                          "(the input is never modified)")
-    if dst.exists() and not dst.is_dir():
-        raise AttnidError(f"{out_dir} exists and is not a directory")
-    if dst.exists() and any(dst.iterdir()) and not force:
-        raise AttnidError(f"{out_dir} exists and is not empty (use --force to replace it)")
-    return src, dst
 
 
 class FoldedNorms:
@@ -154,36 +135,26 @@ def _write_verified(ck: Checkpoint, ops: Operations, folded: FoldedNorms | None,
     owner = ck.layer_of()
     cache: dict[str, torch.Tensor] = {}
     gen = torch.Generator().manual_seed(0)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.parent / f".{dst.name}.{secrets.token_hex(4)}.tmp"
-    tmp.mkdir()  # mode 0o777 less the umask, like any folder the user creates
-    try:
-        copy_other_files(ck.root, tmp, {f.path.name for f in ck.files})
+    e2e = None
+    with staged(dst, ck.root, {f.path.name for f in ck.files}) as tmp:
         for f in ck.files:
             def produce(name: str) -> torch.Tensor:
                 if name in owner:
                     if name not in cache:
                         cache.update(rewrite_layer(ck, owner[name], ops, folded, stats, gen))
                     return cache.pop(name)
-                f = None if folded is None else folded.get(name)
-                if f is not None:
-                    return f.to(DTYPES[ck.info(name).dtype])
+                new = None if folded is None else folded.get(name)
+                if new is not None:
+                    return new.to(DTYPES[ck.info(name).dtype])
                 return ck.tensor(name)  # untouched: its stored bytes, any dtype
 
             entries = [(n, f.info(n).dtype, f.info(n).shape) for n in f.names]
             write_streaming(tmp / f.path.name, entries, produce, f.metadata)
-        e2e = None
         if sum(f.path.stat().st_size for f in ck.files) <= end_to_end_max_bytes:
-            e2e = _end_to_end(ck.root, tmp, ck.config)
+            e2e = end_to_end(ck.root, tmp, ck.config)
             if e2e > 10 * tolerance(ck.dtype()):
                 raise AttnidError(f"refused: the rewritten model's outputs differ by {e2e:.2e} "
                                   "(relative); nothing was written")
-        if dst.exists():
-            shutil.rmtree(dst)
-        os.replace(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return e2e
 
 
@@ -218,35 +189,3 @@ def _check_layer(w0: AttentionWeights, w1: AttentionWeights, dtype: torch.dtype,
                           "nothing was written")
 
 
-def copy_other_files(src: Path, dst: Path, weights: set[str]) -> None:
-    """Everything in the model directory but its weight files (config, tokenizer, ...)."""
-    for item in src.rglob("*"):
-        rel = item.relative_to(src)
-        if item.is_dir() or (len(rel.parts) == 1 and item.name in weights):
-            continue
-        target = dst / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(item, target)
-
-
-def _end_to_end(src: Path, out: Path, config: dict[str, Any]) -> float:
-    """Load both checkpoints with transformers, run probe tokens, return the relative difference."""
-    require("transformers", "hf")
-    import transformers  # optional heavy dependency: loaded only here
-
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    loader = hf_model_class(config)  # the one resolver of an architecture to its class
-    try:
-        a = loader.from_pretrained(src).eval()
-        b = loader.from_pretrained(out).eval()
-    except Exception as e:
-        raise AttnidError(f"refused: transformers could not load the rewritten checkpoint: {e}") from None
-    vocab = int(config.get("vocab_size", 100))
-    ids = torch.randint(0, min(vocab, 1000), (2, 12), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        ya = a(input_ids=ids)
-        yb = b(input_ids=ids)
-    ta = ya.logits if hasattr(ya, "logits") and ya.logits is not None else ya.last_hidden_state
-    tb = yb.logits if hasattr(yb, "logits") and yb.logits is not None else yb.last_hidden_state
-    return float((ta - tb).double().norm() / ta.double().norm())

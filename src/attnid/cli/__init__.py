@@ -12,7 +12,7 @@ import sys
 import typer
 from typer.exceptions import TyperException
 
-from attnid.cli import audit, canonicalize, diff, identify, reproduce, training  # noqa: F401  (register commands)
+from attnid.cli import audit, canonicalize, diff, identify, reproduce, rewrite, training  # noqa: F401  (register commands)
 from attnid.cli.app import app
 from attnid.errors import AttnidError
 
