@@ -19,6 +19,7 @@ TOL32 = tolerance(torch.float32)
 
 
 def _diff(capsys, a, b) -> tuple[int, dict | None, str]:
+    capsys.readouterr()  # what came before (transformers' warnings when a fixture saved a model)
     code = main(["diff", str(a), str(b), "--json"])
     out, err = capsys.readouterr()
     return code, (json.loads(out) if out.strip() else None), err

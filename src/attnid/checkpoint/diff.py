@@ -27,8 +27,8 @@ from attnid.errors import AttnidError
 from attnid.progress import Progress
 from attnid.symmetry.invariants import compare_layers as compare_layers
 from attnid.whole.fit.compare import UnitResult
-from attnid.whole.fit.fit import Fit, fit
-from attnid.whole.fit.fit import tolerance as fit_tolerance
+from attnid.whole.fit.fitter import Fit, fit
+from attnid.whole.fit.fitter import tolerance as fit_tolerance
 from attnid.whole.transforms.layout import Layout
 
 

@@ -9,8 +9,9 @@ per-plane scaled rotations, any invertible map on pass-through dims); scale MLP 
 positive; gated: the up half); permute MLP neurons, and heads within and across key/value
 groups. The random parts are drawn from ``seed`` into one
 `attnid.whole.transforms.element.GroupElement`, applied with
-`attnid.whole.transforms.apply_element` one unit (a layer) at a time in float64 and stored in
-the checkpoint's dtype, shard by shard (`attnid.io.write_streaming`).
+`attnid.whole.transforms.apply_element` one unit (a layer) at a time (float64; float32 for
+bfloat16 and float16 checkpoints, whose rounding is a thousand times coarser) and stored in the
+checkpoint's dtype, shard by shard (`attnid.io.write_streaming`).
 
 What is no symmetry of the architecture is refused before any work, in one line: a residual
 rotation of a post-LN model (BERT), of a bare model, or of a tied model whose final gain is not
@@ -159,6 +160,7 @@ def rewrite(in_dir: str | Path, out_dir: str | Path, recipe: Recipe, *, force: b
 def _write(ck: Checkpoint, units: Units, recipe: Recipe, element, tmp: Path, progress: Progress) -> None:
     """Every shard, its tensors in unit order; a unit is rewritten (float64) when its first
     tensor is asked for and dropped once all its tensors are written."""
+    from attnid.whole.fit.fitter import compute_dtype
     from attnid.whole.transforms.element import apply_element
     from attnid.whole.transforms.norms import fold_norm_gains
 
@@ -166,8 +168,10 @@ def _write(ck: Checkpoint, units: Units, recipe: Recipe, element, tmp: Path, pro
     left = {u: sum(1 for c in unit_of if unit_of[c] == u) for u in range(units.count)}
     cache: dict[int, dict[str, torch.Tensor]] = {}
 
+    cd = compute_dtype(ck.dtype())  # float64; float32 is ample for bfloat16/float16 outputs
+
     def compute(u: int) -> dict[str, torch.Tensor]:
-        before = units.load(u, torch.float64)
+        before = units.load(u, cd)
         m = fold_norm_gains(before) if recipe.fold_norms else before
         m = apply_element(m, element)
         own = set(units.names(u))

@@ -43,12 +43,12 @@ class Units:
         """The ``state_dict`` names of a unit that the checkpoint holds."""
         return [n for n, u in self.unit_of.items() if u == unit]
 
-    def load(self, unit: int, dtype: torch.dtype | None = None) -> ModelTensors:
+    def load(self, unit: int, dtype: torch.dtype | None = None, *, check: bool = True) -> ModelTensors:
         """A unit's tensors (with what it needs from another unit), floating ones in ``dtype``
-        (None: as stored); the checkpoint's NaN check applies."""
+        (None: as stored); the checkpoint's NaN check applies unless ``check=False``."""
         out = {}
         for n in [*self.names(unit), *(x for x in unit_extras(self.layout, unit) if x in self.to_ck)]:
-            t = self.ck.tensor(self.to_ck[n])
+            t = self.ck.tensor(self.to_ck[n], check=check)
             out[n] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
         return ModelTensors(self.layout, out, self.ck.config)
 
@@ -57,6 +57,13 @@ class Units:
 
     def label(self, name: str) -> str:
         return self.to_ck.get(name, name)
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        return None if name not in self.to_ck else self.ck.info(self.to_ck[name]).shape
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows of one tensor (only those are read from disk)."""
+        return self.ck.rows(self.to_ck[name], start, stop)
 
 
 def open_units(ck: Checkpoint) -> Units:

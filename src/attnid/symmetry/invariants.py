@@ -112,10 +112,17 @@ def qk_residuals(A: AttentionWeights, B: AttentionWeights) -> dict[str, torch.Te
     qa, qb = _with_bias(U.mT @ A.W_Q, A.b_Q), _with_bias(U.mT @ B.W_Q, B.b_Q)
     bkA, bkB = (None if b is None else b.repeat_interleave(m, dim=0) for b in (_key_bias(A), _key_bias(B)))
     ka, kb = _with_bias(V.mT @ kA, bkA), _with_bias(V.mT @ kB, bkB)
-    dP = _qk_parts(qa, ka, s) - _qk_parts(qb, kb, s)
     scale = torch.maximum(qa.flatten(-2).norm(dim=-1) * ka.flatten(-2).norm(dim=-1),
                           qb.flatten(-2).norm(dim=-1) * kb.flatten(-2).norm(dim=-1)).clamp_min(1e-300)
-    return _block_residuals(dP, scale, ("W_Q·W_K", "b_Q·W_K", "W_Q·b_K", "b_Q·b_K"))
+    parts = 1 + s.rope_dims  # the pass-through block, each plane's cos and sin parts
+    step = max(1, 2**24 // (parts * qa.shape[-2] * ka.shape[-2]))  # heads at a time: bounded memory
+    out: dict[str, list[torch.Tensor]] = {}
+    for h in range(0, s.n_heads, step):
+        c = slice(h, h + step)
+        dP = _qk_parts(qa[c], ka[c], s) - _qk_parts(qb[c], kb[c], s)
+        for n, r in _block_residuals(dP, scale[c], ("W_Q·W_K", "b_Q·W_K", "W_Q·b_K", "b_Q·b_K")).items():
+            out.setdefault(n, []).append(r)
+    return {n: torch.cat(r) for n, r in out.items()}
 
 
 def effective_out_bias(w: AttentionWeights) -> torch.Tensor:

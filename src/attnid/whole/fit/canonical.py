@@ -23,6 +23,7 @@ gauges: `attnid.whole.fit.compare` fits those.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -52,6 +53,7 @@ class Attention:
 
     w: AttentionWeights
     blame: dict[str, str]
+    probed: bool = False  # seen through random probes (not the whole stream)
 
 
 @dataclass(frozen=True)
@@ -144,52 +146,96 @@ def writer_bias(m: ModelTensors, lin: Lin, dtype: torch.dtype) -> tuple[torch.Te
 
 
 # ---- tables and head (exact: also what the rotation is fitted on) ----------------------------
-def tables(m: ModelTensors, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
-    """Gauge-fixed embedding tables ``[rows, d]`` by ``state_dict`` name (the token table
-    last): extra tables' mean rows moved into the token table, then ``P`` (a tied token table
-    under LayerNorm: only its mean entry removed). RoBERTa: the unreachable position rows are 0,
-    the mean is over the rows other tokens read, and the pad position row moves into the pad
+CHUNK = 8192  # rows of a large table gauge-fixed and probed at a time
+
+
+def probe_rows(X: torch.Tensor, prep: Callable[[torch.Tensor, int], torch.Tensor], frame: Frame
+               ) -> tuple[torch.Tensor, float]:
+    """``frame.right`` of the gauge-fixed rows of ``X`` (``prep(chunk, first_row)``), a chunk of
+    rows at a time (a 32000-row table never has a full-size copy), and their norm."""
+    out, sq = [], 0.0
+    for i in range(0, X.shape[0], CHUNK):
+        rows = prep(X[i:i + CHUNK].to(frame.dtype), i)
+        sq += float((rows**2).sum())
+        out.append(frame.right(rows))
+    return torch.cat(out), sq**0.5
+
+
+def _mean_rows(X: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return sum(X[i:i + CHUNK].to(dtype).sum(0) for i in range(0, X.shape[0], CHUNK)) / X.shape[0]
+
+
+def table_items(m: ModelTensors, frame: Frame) -> list[Item]:
+    """Gauge-fixed embedding tables, probed, by ``state_dict`` name (the token table last):
+    extra tables' mean rows moved into the token table, then ``P`` (a tied token table under
+    LayerNorm: only its mean entry removed). RoBERTa: the unreachable position rows are 0, the
+    mean is over the rows other tokens read, and the pad position row moves into the pad
     token's row (tied: only along ``1 / g`` of the head's LayerNorm, §13.13)."""
+    cd = frame.dtype
     lay = m.layout
     names = [f"{t}.weight" for t in lay.tables]
     if not all(n in m for n in names):
         return []
-    E = m.tensors[names[0]].to(dtype).clone()
+    shift = torch.zeros(m.tensors[names[0]].shape[1], dtype=cd)  # moved into every token row
+    pad_row: torch.Tensor | None = None  # moved into the pad token's row
     out = []
     pad = lay.padding_idx
     for k, n in enumerate(names[1:], start=1):
-        T = m.tensors[n].to(dtype).clone()
+        T = m.tensors[n].to(cd).clone()
         positions = k == 1 and pad is not None
         mu = T[pad + 1:].mean(0) if positions else T.mean(0)
         T = T - mu[None, :]
-        E = E + mu[None, :]
+        shift = shift + mu
         if positions:
             T[:pad] = 0.0  # never read (§13.13)
             if not lay.tied:  # the pad token's two rows are read only as their sum
-                E[pad] += T[pad]
-                T[pad] = 0.0
+                pad_row = T[pad].clone()
             elif lay.final is not None and f"{lay.final.path}.weight" in m:
-                u = 1 / gain(m, lay.final, dtype)  # tied: the pad rows trade only along 1 / g
-                c = (T[pad] @ u) / (u @ u)
-                E[pad] += c * u
-                T[pad] -= c * u
-        out.append((n, _centre(T, m, -1)))
-    if lay.norm == "layer":
-        E = E - E.mean() if lay.tied else _centre(E, m, -1)
-    return [*out, (names[0], E)]  # a changed extra table also moves the token table's rows
+                u = 1 / gain(m, lay.final, cd)  # tied: the pad rows trade only along 1 / g
+                pad_row = (T[pad] @ u) / (u @ u) * u
+            if pad_row is not None:
+                T[pad] -= pad_row
+        T = _centre(T, m, -1)
+        out.append(Item(n, frame.right(T), _norm(T), "rows"))
+    E = m.tensors[names[0]]
+    uniform = None  # a tied table under LayerNorm: its mean entry (the pad row's move included)
+    if lay.norm == "layer" and lay.tied:
+        uniform = (_mean_rows(E, cd) + shift).mean() + (0 if pad_row is None else pad_row.mean() / E.shape[0])
+
+    def prep(rows: torch.Tensor, first: int) -> torch.Tensor:
+        rows = rows + shift[None, :]
+        if pad_row is not None and first <= pad < first + rows.shape[0]:
+            rows[pad - first] += pad_row
+        if uniform is not None:
+            return rows - uniform
+        return _centre(rows, m, -1)
+
+    probed, size = probe_rows(E, prep, frame)
+    return [*out, Item(names[0], probed, size, "rows")]  # a changed extra table also moves the token rows
 
 
-def unembedding(m: ModelTensors, dtype: torch.dtype, *, ignore_norm: bool = False
-                ) -> tuple[torch.Tensor, torch.Tensor | None, float] | None:
-    """An untied unembedding's gauge-fixed ``(U [V, d], bias [V] or None, bias scale)``: the
-    reader's pair, rows and bias centred over the vocabulary (None: tied, bare, not here)."""
-    lay = m.layout
-    if lay.unembed is None or lay.tied or not m.has(lay.unembed):
-        return None
-    if f"{reading(m)[lay.unembed.path].path}.weight" not in m:
-        return None
-    U, c, scale = reader(m, lay.unembed, dtype, ignore_norm=ignore_norm)
-    return U - U.mean(0, keepdim=True), None if c is None else c - c.mean(), scale
+def unembedding_items(m: ModelTensors, nm: Norm, frame: Frame, ignore_norm: bool = False) -> list[Item]:
+    """An untied unembedding reading ``nm``: the reader's pair ``(U diag(g) P, c + U b)``, rows
+    and bias centred over the vocabulary (the logit shift), probed a chunk of rows at a time."""
+    cd = frame.dtype
+    lin = m.layout.unembed
+    W = m.weight(lin)
+    g, b = gain(m, nm, cd, ignore_norm), None if ignore_norm else m.norm_bias(nm)
+    mean = _centre(_mean_rows(W, cd) * g, m, -1)
+    probed, size = probe_rows(W, lambda rows, _: _centre(rows * g[None, :], m, -1) - mean[None, :], frame)
+    out = [Item(f"{lin.path}.weight", probed, size, "rows")]
+    c = m.bias(lin)
+    logit = None if c is None else c.to(cd)
+    scale = _norm(c)
+    if b is not None:
+        Wb = torch.cat([W[i:i + CHUNK].to(cd) @ b.to(cd) for i in range(0, W.shape[0], CHUNK)])
+        logit = Wb if logit is None else logit + Wb
+        scale += float(sum(float((W[i:i + CHUNK].to(cd) ** 2).sum()) for i in range(0, W.shape[0], CHUNK))
+                       ) ** 0.5 * _norm(b)
+    if logit is not None:
+        blame = f"{lin.path}.bias" if c is not None else f"{nm.path}.bias"
+        out.append(Item(blame, logit - logit.mean(), scale, "bias"))
+    return out
 
 
 # ---- a layer ---------------------------------------------------------------------------------
@@ -257,10 +303,11 @@ def attention(m: ModelTensors, layer: int, frame: Frame, blame_of: dict[str, str
     names["norm_gain"] = f"{nm.path}.weight"
     if a_bias is not None:
         names["absorbed_bias"] = f"{absorbed.path}.bias"
-    return Attention(wc, names), handed, hscale
+    return Attention(wc, names, frame.Z is not None), handed, hscale
 
 
 def mlp(m: ModelTensors, layer: int, frame: Frame, *, ignore_norm: bool = False) -> MLP:
+    frame = frame.narrow()
     cd = frame.dtype
     lay = m.layout
     up, down = lay.mlps[layer]
@@ -340,13 +387,14 @@ def _first_attention_reader(m: ModelTensors, layer: int) -> str:
 
 
 def table_unit(m: ModelTensors, frame: Frame) -> Canonical:
-    out = tables(m, frame.dtype)
-    return Canonical([Item(n, frame.right(T), _norm(T), "rows") for n, T in out], {n for n, _ in out})
+    items = table_items(m, frame.narrow())
+    return Canonical(list(items), {x.blame for x in items})
 
 
 def head_unit(m: ModelTensors, frame: Frame, *, ignore_norm: bool = False) -> Canonical:
     """The norms read outside the layers (the final one, BERT's masked-LM transform) with their
     readers, and a tied or bare model's last norm."""
+    frame = frame.narrow()
     cd = frame.dtype
     lay = m.layout
     inside = tuple(lay.layers)
@@ -363,11 +411,11 @@ def head_unit(m: ModelTensors, frame: Frame, *, ignore_norm: bool = False) -> Ca
             sections.append(_gain_item(m, nm, cd))
         for lin in outside:
             covered |= {f"{lin.path}.weight", f"{lin.path}.bias"}
-            if lin == lay.unembed and lay.tied:
+            if lin == lay.unembed:
+                if not lay.tied:
+                    sections += unembedding_items(m, nm, frame, ignore_norm)
                 continue
             W, c, scale = reader(m, lin, cd, ignore_norm=ignore_norm)
-            if lin == lay.unembed:
-                W, c = W - W.mean(0, keepdim=True), None if c is None else c - c.mean()
             sections.append(Item(f"{lin.path}.weight", frame.right(W), _norm(W), "rows"))
             if c is not None:
                 blame = f"{lin.path}.bias" if m.bias(lin) is not None else f"{nm.path}.bias"

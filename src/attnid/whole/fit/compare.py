@@ -10,13 +10,14 @@ matched), ``aligned`` (and the per-group gauges and MLP scales fitted).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from attnid.symmetry.invariants import align, distance, fit_gauge, qk_residuals, vo_residuals
 from attnid.weights import AttentionWeights
 from attnid.whole.fit.canonical import MLP, Attention, Canonical, Item
+from attnid.whole.fit.frame import NARROW
 from attnid.whole.fit.match import match_heads, match_neurons
 from attnid.whole.transforms.element import LayerElement
 
@@ -69,6 +70,17 @@ def compare_item(a: Item, b: Item, b_fixed: Item | None) -> UnitResult:
 
 
 # ---- attention ---------------------------------------------------------------------------------
+def narrow(w: AttentionWeights, k: int) -> AttentionWeights:
+    """A probed layer through its first ``k`` probes (the same invariants, a smaller sketch)."""
+    if w.spec.d_model <= k:
+        return w
+    new = {"W_Q": w.W_Q[..., :k, :], "W_K": w.W_K[..., :k, :], "W_V": w.W_V[..., :k, :],
+           "W_O": w.W_O[..., :k]}
+    if w.b_O is not None:
+        new["b_O"] = w.b_O[..., :k]
+    return AttentionWeights(replace(w.spec, d_model=k), **{n: new.get(n, t) for n, t in w.items()})
+
+
 def permute_heads(w: AttentionWeights, perm: torch.Tensor) -> AttentionWeights:
     m = w.spec.group_size
     groups = perm.reshape(-1, m)[:, 0] // m
@@ -119,7 +131,8 @@ def compare_attention(a: Attention, b: Attention, b_fixed: Attention | None, tol
     A = a.w
     perm = match_heads(A, b.w)
     B = permute_heads(b.w, perm)
-    res = {**qk_residuals(A, B), **vo_residuals(A, B)}
+    na, nb = (narrow(x, NARROW) for x in (A, B)) if a.probed else (A, B)  # invariants: fewer probes do
+    res = {**qk_residuals(na, nb), **vo_residuals(na, nb)}
     M, C = fit_gauge(A, B)
     out = UnitResult()
     for name in (*QK_ORDER, *VO_ORDER):
@@ -163,9 +176,9 @@ def _mlp_sq(a: MLP, b: MLP) -> float:
                                       (a.up_bias, b.up_bias), (a.gate_bias, b.gate_bias)))
 
 
-def compare_mlp(a: MLP, b: MLP, b_fixed: MLP | None
+def compare_mlp(a: MLP, b: MLP, b_fixed: MLP | None, tol: float = 0.0
                 ) -> tuple[UnitResult, torch.Tensor, torch.Tensor | None]:
-    perm = match_neurons(a, b)
+    perm = match_neurons(a, b, tol)
     bp = _permute(b, perm)
     c = _scales(a, bp)
     g = _scaled(bp, c)
@@ -192,7 +205,7 @@ def compare_unit(a: Canonical, b: Canonical, b_fixed: Canonical | None, tol: flo
         if isinstance(sa, Attention):
             r, heads, qk, vo = compare_attention(sa, sb, sf, tol)
         elif isinstance(sa, MLP):
-            r, neurons, scales = compare_mlp(sa, sb, sf)
+            r, neurons, scales = compare_mlp(sa, sb, sf, tol)
         else:
             r = compare_item(sa, sb, sf)
         out.residuals += r.residuals

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 EXACT_WIDTH = 512
+NARROW = 64  # probes for rows compared one by one (tables, neurons)
 
 
 def probe_count(d: int, head_dims: int) -> int:
@@ -47,13 +48,12 @@ class Frame:
     Q: torch.Tensor | None
     dtype: torch.dtype
 
-    @property
-    def _R(self) -> torch.Tensor | None:
-        """What multiplies a stream-on-the-right tensor: ``Q Z``, ``Q``, ``Z`` or nothing."""
-        if self.Q is None:
-            return self.Z
-        Q = self.Q.to(self.dtype)
-        return Q if self.Z is None else Q @ self.Z
+    def __post_init__(self) -> None:
+        """``R``: what multiplies a stream-on-the-right tensor (``Q Z``, ``Q``, ``Z`` or nothing),
+        computed once."""
+        Q = None if self.Q is None else self.Q.to(self.dtype)
+        R = self.Z if Q is None else Q if self.Z is None else Q @ self.Z
+        object.__setattr__(self, "_R", R)
 
     def right(self, X: torch.Tensor) -> torch.Tensor:
         """``X [..., d] -> X R [..., k]`` (stream on the right)."""
@@ -74,3 +74,14 @@ class Frame:
     @property
     def width(self) -> int | None:
         return None if self.Z is None else self.Z.shape[1]
+
+    def narrow(self, k: int = NARROW) -> Frame:
+        """The same frame through its first ``k`` probes: enough for rows compared one by one
+        (tables, MLP neurons), which need no room for a per-group least-squares fit."""
+        if self.Z is None or self.Z.shape[1] <= k:
+            return self
+        narrow = Frame(None, None, self.dtype)
+        object.__setattr__(narrow, "Z", self.Z[:, :k])
+        object.__setattr__(narrow, "Q", self.Q)
+        object.__setattr__(narrow, "_R", self._R[:, :k])  # (Q Z)[:, :k] = Q (Z[:, :k])
+        return narrow

@@ -104,11 +104,26 @@ def _pair_cost(fa: tuple[torch.Tensor, torch.Tensor | None], fb: tuple[torch.Ten
     return (total - 2 * cross).clamp_min(0) / total.clamp_min(1e-300)
 
 
-def match_neurons(A: MLP, B: MLP, chunk: int = 2048) -> torch.Tensor:
-    """``perm [f]``: A's neuron ``j`` is B's neuron ``perm[j]``. Nearest neighbours row by row
-    (chunks of ``chunk`` rows); the full cost matrix and an assignment only when they clash."""
+def _diagonal(fa: tuple[torch.Tensor, torch.Tensor | None], fb: tuple[torch.Tensor, torch.Tensor | None]
+              ) -> torch.Tensor:
+    """The cost of pairing neuron ``j`` with neuron ``j`` (``[f]``)."""
+    (a, a2), (b, b2) = fa, fb
+    if a2 is None:
+        return ((a - b) ** 2).sum(1) / ((a**2).sum(1) + (b**2).sum(1)).clamp_min(1e-300)
+    na, nb = (a**2).sum(1) * (a2**2).sum(1), (b**2).sum(1) * (b2**2).sum(1)
+    cross = (a * b).sum(1) * (a2 * b2).sum(1)
+    return (na + nb - 2 * cross).clamp_min(0) / (na + nb).clamp_min(1e-300)
+
+
+def match_neurons(A: MLP, B: MLP, tol: float = 0.0, chunk: int = 2048) -> torch.Tensor:
+    """``perm [f]``: A's neuron ``j`` is B's neuron ``perm[j]``. The identity when every neuron
+    already matches its namesake to rounding (``tol``; costs are never negative, so that is the
+    optimum); else nearest neighbours row by row (chunks of ``chunk`` rows), and the full cost
+    matrix and an assignment only when they clash."""
     fa, fb = _neuron_features(A), _neuron_features(B)
     f = A.up.shape[0]
+    if float(sum(_diagonal(x, y) for x, y in zip(fa, fb, strict=True)).max()) <= tol**2:
+        return torch.arange(f)
     nearest = torch.cat([sum(_pair_cost(x, y, slice(i, i + chunk)) for x, y in zip(fa, fb, strict=True)
                              ).argmin(1) for i in range(0, f, chunk)])
     if torch.equal(nearest.sort().values, torch.arange(f)):

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from attnid.errors import AttnidError
 from attnid.whole.transforms.layout import Layout
 from attnid.whole.transforms.state import ModelTensors
 
@@ -22,13 +23,17 @@ class UnitSource(Protocol):
     @property
     def count(self) -> int: ...
 
-    def load(self, unit: int) -> ModelTensors: ...
+    def load(self, unit: int, *, check: bool = True) -> ModelTensors: ...
 
     def names(self, unit: int) -> list[str]: ...
 
     def dtype(self) -> torch.dtype: ...
 
     def label(self, name: str) -> str: ...
+
+    def shape(self, name: str) -> tuple[int, ...] | None: ...
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor: ...
 
 
 def assign_units(lay: Layout, names: Iterable[str]) -> dict[str, int]:
@@ -74,7 +79,11 @@ class TensorSource:
     def count(self) -> int:
         return len(self.layout.layers) + 2
 
-    def load(self, unit: int) -> ModelTensors:
+    def load(self, unit: int, *, check: bool = True) -> ModelTensors:
+        if check:
+            for n, t in self.m.tensors.items():
+                if t.is_floating_point() and not torch.isfinite(t).all():
+                    raise AttnidError(f"tensor {n} holds NaN or Inf values")
         return self.m
 
     def names(self, unit: int) -> list[str]:
@@ -85,3 +94,10 @@ class TensorSource:
 
     def label(self, name: str) -> str:
         return name
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        t = self.m.tensors.get(name)
+        return None if t is None else tuple(t.shape)
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        return self.m.tensors[name][start:stop]

@@ -17,6 +17,7 @@ distances per unit; `attnid.checkpoint.diff` reports it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -55,26 +56,59 @@ class Fit:
 
 
 # ---- the rotation --------------------------------------------------------------------------------
-def _stream_rows(m: ModelTensors, unit: int, cd: torch.dtype) -> torch.Tensor | None:
-    """Gauge-fixed rows living in the stream: the tables and the unembedding (units 0 and L+1),
-    or a layer's reader rows and writer columns."""
+def _layer_rows(m: ModelTensors, layer: int, cd: torch.dtype) -> torch.Tensor | None:
+    """Gauge-fixed rows of a layer that live in the stream: its readers' rows and its writers'
+    columns (mixed by the layer's own gauges: a candidate fit only)."""
     lay = m.layout
     out: list[torch.Tensor] = []
-    if unit == 0:
-        out = [T for _, T in C.tables(m, cd)]
-    elif unit == len(lay.layers) + 1:
-        u = C.unembedding(m, cd)
-        out = [] if u is None else [u[0]]
-    else:
-        i = unit - 1
-        for nm in lay.norms:
-            for r in nm.readers:
-                if r.path.startswith(lay.layers[i]) and m.has(r):
-                    out.append(C.reader(m, r, cd)[0])
-        for w in lay.writers[i]:
-            W = m.weight(w).to(cd)
-            out.append((W - W.mean(0, keepdim=True) if lay.norm == "layer" else W).T)
-    return torch.cat([rows(x, 2 * x.shape[1]) for x in out]) if out else None
+    for nm in lay.norms:
+        for r in nm.readers:
+            if r.path.startswith(lay.layers[layer]) and m.has(r):
+                out.append(C.reader(m, r, cd)[0])
+    for w in lay.writers[layer]:
+        W = m.weight(w).to(cd)
+        out.append((W - W.mean(0, keepdim=True) if lay.norm == "layer" else W).T)
+    return torch.cat([rows(x, x.shape[1] + ROWS_EXTRA) for x in out]) if out else None
+
+
+ROWS_EXTRA = 256  # rows beyond the width that a Procrustes fit reads from each table
+BLOCKS = 8  # contiguous blocks the rows are read in, spread over the table
+
+
+def sampled_rows(src: UnitSource, name: str, n: int, skip: int = 0) -> torch.Tensor:
+    """About ``n`` rows of a table, read as ``BLOCKS`` contiguous blocks spread over it (a
+    checkpoint reads only those bytes); rows below ``skip`` are left out."""
+    total = src.shape(name)[0]
+    if total - skip <= n:
+        return src.rows(name, skip, total)
+    size = -(-n // BLOCKS)
+    starts = torch.linspace(skip, total - size, BLOCKS).long().tolist()
+    return torch.cat([src.rows(name, s, s + size) for s in starts])
+
+
+def table_rows(src: UnitSource, cd: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Gauge-free stream rows for the rotation: token rows less their mean (a translation, a
+    uniform shift and all-ones shifts drop out) and unembedding rows with the final gain folded
+    in, less their mean (the logit shift drops out), ``P`` of them under LayerNorm; ``(E, U)``."""
+    lay = src.layout
+    d = src.shape(f"{lay.tables[0]}.weight")[1]
+    un = None if lay.unembed is None or lay.tied else f"{lay.unembed.path}.weight"
+    if un is not None and (src.shape(un) is None or lay.final is None):
+        un = None
+    n = 2 * d // (2 if un else 1) + ROWS_EXTRA  # about 2d rows in all: well conditioned
+    skip = 0 if lay.padding_idx is None else lay.padding_idx + 1
+
+    def prepare(X: torch.Tensor) -> torch.Tensor:
+        X = X.to(cd)
+        X = X - X.mean(0, keepdim=True)  # a row added to every row drops out
+        return X - X.mean(1, keepdim=True) if lay.norm == "layer" else X
+
+    E = prepare(sampled_rows(src, f"{lay.tables[0]}.weight", n, skip))
+    U = None
+    if un is not None:
+        g = src.rows(f"{lay.final.path}.weight", 0, d).to(cd) + lay.final.offset
+        U = prepare(sampled_rows(src, un, n) * g[None, :])
+    return E, U
 
 
 def _procrustes(pairs: list[tuple[torch.Tensor | None, torch.Tensor | None]], layer_norm: bool
@@ -84,11 +118,6 @@ def _procrustes(pairs: list[tuple[torch.Tensor | None, torch.Tensor | None]], la
     if not xa:
         return None
     return procrustes(torch.cat(xb), torch.cat(xa), layer_norm)
-
-
-def _uniform_final(m: ModelTensors) -> torch.Tensor | None:
-    lay = m.layout
-    return m.gain(lay.final) if lay.final is not None and f"{lay.final.path}.weight" in m else None
 
 
 # ---- one unit --------------------------------------------------------------------------------------
@@ -130,7 +159,8 @@ class _Fitter:
         fa, fb, f0 = self.frames(Q)
         ca = self.canonical(ma, unit, fa, ignore_norm)
         cb = self.canonical(mb, unit, fb, ignore_norm)
-        c0 = self.canonical(mb, unit, f0, ignore_norm) if with_fixed and Q is not None else None
+        layer = 0 < unit <= self.L  # the rotation's share is reported per layer
+        c0 = self.canonical(mb, unit, f0, ignore_norm) if with_fixed and layer and Q is not None else None
         r = compare_unit(ca, cb, c0, self.tol)
         r.covered = ca.covered
         return r
@@ -179,14 +209,14 @@ def fit(a: UnitSource, b: UnitSource, *, probe_k: int | None = None,
     first = list(dict.fromkeys(u for u in (0, L + 1, 1, 2) if u <= L + 1))
     results: dict[int, tuple[UnitResult, float, dict[str, torch.Tensor]]] = {}
     for u in [*first, *(u for u in range(1, L + 1) if u not in first)]:
-        results[u] = _unit(f, u, Q, rot.note)
+        results[u] = _unit(f, u, Q, rot)
         f.progress(f"unit {u} of {L + 1}: worst residual {_worst(results[u][0]):.2e}")
         if u == first[-1] and Q is not None and any(_worst(results[x][0]) > f.tol for x in first):
             Q2, how2 = rot.best(first, Q, how)
             if Q2 is not Q:
                 Q, how = Q2, how2
                 f.progress(f"rotation: {how}")
-                results |= {x: _unit(f, x, Q, None) for x in first}
+                results |= {x: _unit(f, x, Q, rot) for x in first}
     units = [results[u][0] for u in range(L + 2)]
     gains: dict[str, torch.Tensor] = {}
     for u in range(L + 2):
@@ -197,22 +227,27 @@ def fit(a: UnitSource, b: UnitSource, *, probe_k: int | None = None,
                None if f.Z is None else f.Z.shape[1], how)
 
 
-def _unit(f: _Fitter, u: int, Q: torch.Tensor | None, note: str | None
+def _unit(f: _Fitter, u: int, Q: torch.Tensor | None, rot: _Rotations
           ) -> tuple[UnitResult, float, dict[str, torch.Tensor]]:
     """One unit compared (leftover tensors and diagnoses included), its stored distance, and
     the norm gauges it holds."""
     a, b = f.a, f.b
-    ma, mb = a.load(u), b.load(u)
+    ma, mb = a.load(u, check=False), b.load(u, check=False)  # every value reaches the distance
+    raw = _raw(a, ma, mb, u)
+    if not math.isfinite(raw):  # NaN or Inf somewhere in the unit: the checked load names it
+        a.load(u), b.load(u)
+        raise AttnidError(f"NaN or Inf in the tensors of unit {u}")
     r = f.compare(ma, mb, u, Q)
     r.residuals += _leftovers(f, a, ma, mb, u, r)
-    if u == 0 and note:  # the token table is where a forbidden rotation shows first
+    note = rot.note(ma, mb, r) if u == 0 else None
+    if note:  # the token table is where a forbidden rotation shows first
         token = f"{f.lay.tables[0]}.weight"
         r.residuals = [Residual(x.tensor, x.invariant, x.residual, x.head,
                                 note if x.residual > f.tol else None)
                        for x in sorted(r.residuals, key=lambda x: x.tensor != token)]
     if _worst(r) > f.tol:
         r = _diagnose(f, ma, mb, u, Q, r)
-    return r, _raw(a, ma, mb, u, f.cd), _gains(ma, mb)
+    return r, raw, _gains(ma, mb)
 
 
 def _worst(r: UnitResult) -> float:
@@ -224,32 +259,39 @@ def _passing(r: UnitResult, tol: float) -> int:
 
 
 class _Rotations:
-    """Candidate rotations: Procrustes on the tables and the unembedding together (the
-    default), on each alone, on layer 0's rows; the kept one is what most pieces of the first
-    units agree with (so a table rotated twice, or a head whose gain was not folded, is the
-    odd one out instead of spoiling the fit)."""
+    """Candidate rotations: Procrustes on sampled rows of the token table and the unembedding
+    together (the default), on each alone, on layer 0's rows; the kept one is what most pieces
+    of the first units agree with (so a table rotated twice, or a head whose gain was not
+    folded, is the odd one out instead of spoiling the fit)."""
 
     def __init__(self, f: _Fitter) -> None:
         self.f = f
-        L, cd = f.L, f.cd
-        ha, hb = f.a.load(L + 1), f.b.load(L + 1)
-        ta, tb = f.a.load(0), f.b.load(0)
-        self.why = rotation_refusal(f.lay, _uniform_final(ha)) or rotation_refusal(f.lay, _uniform_final(hb))
-        self.E = (_stream_rows(ta, 0, cd), _stream_rows(tb, 0, cd))
-        self.U = (_stream_rows(ha, L + 1, cd), _stream_rows(hb, L + 1, cd))
-        self.ln = f.lay.norm == "layer"
+        lay = f.lay
+        gains = []
+        for src in (f.a, f.b):
+            name = None if lay.final is None else f"{lay.final.path}.weight"
+            g = None if name is None or src.shape(name) is None else src.rows(name, 0, src.shape(name)[0])
+            gains.append(None if g is None else g.double() + lay.final.offset)
+        self.why = rotation_refusal(lay, gains[0]) or rotation_refusal(lay, gains[1])
+        ea, ua = table_rows(f.a, f.cd)
+        eb, ub = table_rows(f.b, f.cd)
+        self.E, self.U = (ea, eb), (ua, ub)
+        self.ln = lay.norm == "layer"
         self.both = _procrustes([self.E, self.U], self.ln)
-        self.note: str | None = None
-        if self.why and self.both is not None:  # no symmetry here: say so where B looks rotated
-            plain = f.compare(ta, tb, 0, None, with_fixed=False)
-            rotated = f.compare(ta, tb, 0, self.both, with_fixed=False)
-            if _worst(plain) > f.tol >= _worst(rotated):
-                self.note = f"B is A with its residual stream rotated, which is no symmetry here: {self.why}"
 
     def first(self) -> tuple[torch.Tensor | None, str]:
         if self.why:
             return None, self.why
         return self.both, "fitted on the embedding and unembedding rows"
+
+    def note(self, ma: ModelTensors, mb: ModelTensors, r: UnitResult) -> str | None:
+        """Where the stream may not rotate but B's tables are A's rotated: say so."""
+        f = self.f
+        if not self.why or self.both is None or _worst(r) <= f.tol:
+            return None
+        if _worst(f.compare(ma, mb, 0, self.both, with_fixed=False)) > f.tol:
+            return None
+        return f"B is A with its residual stream rotated, which is no symmetry here: {self.why}"
 
     def best(self, units: list[int], Q: torch.Tensor, how: str) -> tuple[torch.Tensor, str]:
         f = self.f
@@ -257,9 +299,8 @@ class _Rotations:
         cands = [(Q, how), (_procrustes([self.E], self.ln), "fitted on the embedding rows"),
                  (_procrustes([self.U], self.ln), "fitted on the unembedding rows")]
         if 1 in loaded:
-            rows = _procrustes([(_stream_rows(loaded[1][0], 1, f.cd), _stream_rows(loaded[1][1], 1, f.cd))],
-                               self.ln)
-            cands.append((rows, "fitted on layer 0's rows"))
+            rows_a, rows_b = (_layer_rows(m, 0, f.cd) for m in loaded[1])
+            cands.append((_procrustes([(rows_a, rows_b)], self.ln), "fitted on layer 0's rows"))
         score = {}
         for k, (R, _) in enumerate(cands):
             if R is not None:
@@ -348,9 +389,11 @@ def _gains(ma: ModelTensors, mb: ModelTensors) -> dict[str, torch.Tensor]:
     return out
 
 
-def _raw(src: UnitSource, ma: ModelTensors, mb: ModelTensors, u: int, cd: torch.dtype) -> float:
+def _raw(src: UnitSource, ma: ModelTensors, mb: ModelTensors, u: int) -> float:
+    """``||B - A||`` over the unit's stored tensors (the difference taken as stored: a distance
+    to well under a percent in bfloat16)."""
     total = 0.0
     for n in src.names(u):
         if n in ma and n in mb and ma.tensors[n].is_floating_point():
-            total += float(((ma.tensors[n].to(cd) - mb.tensors[n].to(cd)) ** 2).sum())
+            total += float(torch.linalg.vector_norm(ma.tensors[n] - mb.tensors[n], dtype=torch.float64)) ** 2
     return total**0.5
