@@ -318,10 +318,12 @@ def mlp(m: ModelTensors, layer: int, frame: Frame, *, ignore_norm: bool = False)
         G, cg, sg = reader(m, gate, cd, ignore_norm=ignore_norm)
         G = frame.right(G)
     D = frame.left(_centre(m.weight(down).to(cd), m, -2)).T  # [f, k]
-    blame = {"up": f"{up.path}.weight", "up_bias": f"{up.path}.bias", "down": f"{down.path}.weight",
-             "norm_gain": f"{reading(m)[up.path].path}.weight"}
+    nm = reading(m)[up.path]
+    bias_of = lambda lin: f"{lin.path}.bias" if m.bias(lin) is not None else f"{nm.path}.bias"  # noqa: E731
+    blame = {"up": f"{up.path}.weight", "up_bias": bias_of(up), "down": f"{down.path}.weight",
+             "norm_gain": f"{nm.path}.weight"}
     if gate is not None:
-        blame |= {"gate": f"{gate.path}.weight", "gate_bias": f"{gate.path}.bias"}
+        blame |= {"gate": f"{gate.path}.weight", "gate_bias": bias_of(gate)}
     return MLP(frame.right(U), D, G, cu, cg, lay.mlp, blame, su, sg)
 
 

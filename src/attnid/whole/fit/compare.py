@@ -153,14 +153,25 @@ def _permute(x: MLP, perm: torch.Tensor) -> MLP:
                x.blame, x.up_scale, x.gate_scale)
 
 
-def _scales(a: MLP, b: MLP) -> torch.Tensor | None:
-    """Per-neuron ``c`` best mapping B's up rows onto A's (ReLU: positive)."""
+def _scales(a: MLP, b: MLP, closest: bool = False) -> torch.Tensor | None:
+    """Per-neuron ``c`` mapping B's neurons onto A's: the least-squares fit of the up rows
+    (exact for an exact rewrite; what the residuals are measured with), or, ``closest``, the
+    one of that fit, the down columns' fit and no scaling that leaves each neuron nearest to
+    A's (for the distances of neurons that differ for real). ReLU: positive."""
     if a.kind == "other":
         return None
-    c = (a.up * b.up).sum(1) / (b.up**2).sum(1).clamp_min(1e-300)  # the rows: a bias is then checked
+    up = (a.up * b.up).sum(1) / (b.up**2).sum(1).clamp_min(1e-300)
+    cands = up[None]
+    if closest:
+        dot = (a.down * b.down).sum(1)
+        down = (b.down**2).sum(1) / torch.where(dot == 0, torch.ones_like(dot), dot)
+        cands = torch.stack([up, down, torch.ones_like(up)])  # [3, f]
     if a.kind == "relu":
-        c = c.clamp_min(1e-12)  # a negative fit is no symmetry: the residual will say so
-    return torch.where(c == 0, torch.ones_like(c), c)
+        cands = cands.clamp_min(1e-12)  # a negative fit is no symmetry: the residual will say so
+    cands = torch.where(cands == 0, torch.ones_like(cands), cands)
+    c = cands[..., None]
+    cost = ((c * b.up - a.up) ** 2).sum(-1) + ((b.down / c - a.down) ** 2).sum(-1)
+    return cands.gather(0, cost.argmin(0)[None])[0]
 
 
 def _scaled(x: MLP, c: torch.Tensor | None) -> MLP:
@@ -180,8 +191,8 @@ def compare_mlp(a: MLP, b: MLP, b_fixed: MLP | None, tol: float = 0.0
                 ) -> tuple[UnitResult, torch.Tensor, torch.Tensor | None]:
     perm = match_neurons(a, b, tol)
     bp = _permute(b, perm)
-    c = _scales(a, bp)
-    g = _scaled(bp, c)
+    g = _scaled(bp, _scales(a, bp))
+    c = _scales(a, bp, closest=True)
     out = UnitResult()
     pieces = (("gate", a.gate, g.gate, 0.0), ("gate_bias", a.gate_bias, g.gate_bias, a.gate_scale),
               ("up", a.up, g.up, 0.0), ("up_bias", a.up_bias, g.up_bias, a.up_scale),
@@ -191,7 +202,7 @@ def compare_mlp(a: MLP, b: MLP, b_fixed: MLP | None, tol: float = 0.0
             out.residuals.append(Residual(a.blame[name], f"MLP {name.replace('_', ' ')}",
                                           _rel(x, y, scale)))
     out.add({"fixed": _mlp_sq(a, b_fixed or b), "rotated": _mlp_sq(a, b), "permuted": _mlp_sq(a, bp),
-             "aligned": _mlp_sq(a, g)})
+             "aligned": _mlp_sq(a, _scaled(bp, c))})
     return out, perm, c
 
 
