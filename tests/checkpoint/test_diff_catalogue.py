@@ -416,7 +416,7 @@ def _hidden(d: Path) -> torch.Tensor:
         return m(input_ids=ids).last_hidden_state.double()
 
 
-@pytest.mark.parametrize("case", ["r2-and-permutations", "rotated"])
+@pytest.mark.parametrize("case", ["r2-and-permutations", pytest.param("rotated", marks=pytest.mark.slow)])
 def test_real_minilm(case, minilm, tmp_path, capsys):
     t = _minilm_tensors(minilm)
     (_minilm_r2_and_permutations if case == "r2-and-permutations" else _minilm_rotated)(t)

@@ -148,3 +148,24 @@ def test_two_unrelated_models_need_a_real_assignment():
         d = u.distances
         assert d["rotated"] >= d["permuted"] - 1e-9 and d["permuted"] >= d["aligned"] - 1e-9, d
         assert sorted(u.element.neurons.tolist()) == list(range(16))
+
+
+def test_a_rotated_post_ln_model_is_refused_at_its_token_table():
+    """BERT's stream is a LayerNorm's output: a rotation is no symmetry; B built as one is
+    refused at the word embeddings, with the reason (the default suite's twin of the real
+    MiniLM case in tests/checkpoint/test_diff_catalogue.py)."""
+    A = tiny_model(FAMILIES["bert"], seed=0)
+    mt = T.ModelTensors.of(A)
+    Q = random_rotation_fixing_ones(8, gen(0))
+    rotated = {}
+    for n, t in mt.tensors.items():
+        table = n.startswith("bert.embeddings.") and n.endswith("embeddings.weight")
+        if table or n.endswith(("query.weight", "key.weight", "value.weight", "intermediate.dense.weight",
+                                "transform.dense.weight")):
+            rotated[n] = t @ Q
+        elif n.endswith(("output.dense.weight", "output.dense.bias", "LayerNorm.bias")):
+            rotated[n] = Q.T @ t
+    f = fit(TensorSource(A), TensorSource(mt.replace(rotated)))
+    first = next(x for x in residuals(f) if x.residual > f.tolerance)
+    assert first.tensor == "bert.embeddings.word_embeddings.weight", first
+    assert "post-LN" in first.reason, first

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+import attnid.whole.fit.canonical as C
 from attnid.errors import AttnidError
-from attnid.whole.fit import canonical as C
 from attnid.whole.fit.compare import Residual, UnitResult, compare_item, compare_unit
 from attnid.whole.fit.frame import Frame, probe_count, probes
 from attnid.whole.fit.rotation import procrustes, rows
