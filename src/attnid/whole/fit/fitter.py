@@ -217,6 +217,10 @@ def fit(a: UnitSource, b: UnitSource, *, probe_k: int | None = None,
                 Q, how = Q2, how2
                 f.progress(f"rotation: {how}")
                 results |= {x: _unit(f, x, Q, rot) for x in first}
+    broken = next((u for u in range(L + 2) if _worst(results[u][0]) > f.tol), None)
+    if broken is not None:  # only the first break is named: diagnose that unit alone
+        ma, mb = a.load(broken, check=False), b.load(broken, check=False)
+        results[broken] = (_diagnose(f, ma, mb, broken, Q, results[broken][0]), *results[broken][1:])
     units = [results[u][0] for u in range(L + 2)]
     gains: dict[str, torch.Tensor] = {}
     for u in range(L + 2):
@@ -245,8 +249,6 @@ def _unit(f: _Fitter, u: int, Q: torch.Tensor | None, rot: _Rotations
         r.residuals = [Residual(x.tensor, x.invariant, x.residual, x.head,
                                 note if x.residual > f.tol else None)
                        for x in sorted(r.residuals, key=lambda x: x.tensor != token)]
-    if _worst(r) > f.tol:
-        r = _diagnose(f, ma, mb, u, Q, r)
     return r, raw, _gains(ma, mb)
 
 

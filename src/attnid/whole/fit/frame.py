@@ -17,7 +17,7 @@ identity and everything is exact.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -42,46 +42,36 @@ def probes(d: int, k: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor | 
 @dataclass(frozen=True)
 class Frame:
     """One model's view: ``Z`` probes (None: exact), ``Q`` B's rotation into A's frame (None:
-    identity), ``dtype`` of the arithmetic."""
+    identity), ``dtype`` of the arithmetic; ``R`` (derived once) is what multiplies a
+    stream-on-the-right tensor: ``Q Z``, ``Q``, ``Z`` or nothing."""
 
     Z: torch.Tensor | None
     Q: torch.Tensor | None
     dtype: torch.dtype
+    R: torch.Tensor | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        """``R``: what multiplies a stream-on-the-right tensor (``Q Z``, ``Q``, ``Z`` or nothing),
-        computed once."""
-        Q = None if self.Q is None else self.Q.to(self.dtype)
-        R = self.Z if Q is None else Q if self.Z is None else Q @ self.Z
-        object.__setattr__(self, "_R", R)
+        if self.R is None and (self.Z is not None or self.Q is not None):
+            Q = None if self.Q is None else self.Q.to(self.dtype)
+            object.__setattr__(self, "R", self.Z if Q is None else Q if self.Z is None else Q @ self.Z)
 
     def right(self, X: torch.Tensor) -> torch.Tensor:
         """``X [..., d] -> X R [..., k]`` (stream on the right)."""
         X = X.to(self.dtype)
-        R = self._R
-        return X if R is None else X @ R
+        return X if self.R is None else X @ self.R
 
     def left(self, X: torch.Tensor) -> torch.Tensor:
         """``X [..., d, n] -> R^T X [..., k, n]`` (stream on the left)."""
         X = X.to(self.dtype)
-        R = self._R
-        return X if R is None else R.T @ X
+        return X if self.R is None else self.R.T @ X
 
     def vector(self, x: torch.Tensor) -> torch.Tensor:
         """A stream vector ``[d] -> [k]``."""
         return self.right(x[None, :])[0]
-
-    @property
-    def width(self) -> int | None:
-        return None if self.Z is None else self.Z.shape[1]
 
     def narrow(self, k: int = NARROW) -> Frame:
         """The same frame through its first ``k`` probes: enough for rows compared one by one
         (tables, MLP neurons), which need no room for a per-group least-squares fit."""
         if self.Z is None or self.Z.shape[1] <= k:
             return self
-        narrow = Frame(None, None, self.dtype)
-        object.__setattr__(narrow, "Z", self.Z[:, :k])
-        object.__setattr__(narrow, "Q", self.Q)
-        object.__setattr__(narrow, "_R", self._R[:, :k])  # (Q Z)[:, :k] = Q (Z[:, :k])
-        return narrow
+        return Frame(self.Z[:, :k], self.Q, self.dtype, self.R[:, :k])  # (Q Z)[:, :k] = Q Z[:, :k]
