@@ -194,3 +194,18 @@ def test_hadamard_sizes():
     ones = torch.ones(12, dtype=torch.float64)
     assert float((Q @ ones - ones).abs().max()) < 1e-12
     assert float((Q.T @ Q - torch.eye(12, dtype=torch.float64)).abs().max()) < 1e-12
+
+
+def test_a_transform_never_acts_on_half_of_what_it_changes():
+    """A checkpoint is rewritten one unit at a time: a unit holding a norm's readers but not the
+    norm is refused (folding would be wrong), a unit without them is left alone."""
+    mt = T.ModelTensors.of(tiny_model(FAMILIES["llama-gqa"], seed=0))
+    layer0 = {k: v for k, v in mt.tensors.items() if k.startswith("model.layers.0.")}
+    part = T.ModelTensors(mt.layout, layer0, mt.config)
+    folded = T.fold_norm_gains(part)
+    gain = folded.tensors["model.layers.0.input_layernorm.weight"]
+    assert torch.equal(gain, torch.ones(8, dtype=torch.float64)), gain
+    assert "model.layers.1.input_layernorm.weight" not in folded.tensors
+    half = {k: v for k, v in layer0.items() if k != "model.layers.0.input_layernorm.weight"}
+    with pytest.raises(AttnidError, match=r"input_layernorm\.weight is missing"):
+        T.fold_norm_gains(T.ModelTensors(mt.layout, half, mt.config))
