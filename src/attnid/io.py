@@ -82,6 +82,14 @@ class TensorFile:
     def info(self, name: str) -> TensorInfo:
         return self._info[name]
 
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of one tensor (only those bytes are read; a copy in memory)."""
+        try:
+            return self._file.get_slice(name)[start:stop]
+        except Exception as e:  # the library's error types differ between versions and dtypes
+            raise AttnidError(f"{self.path}: tensor {name} cannot be read ({self._info[name].dtype}): "
+                              f"{e}") from None
+
     def tensor(self, name: str) -> torch.Tensor:
         """One tensor, as stored (a copy in memory)."""
         try:

@@ -1,2 +1,3 @@
-"""Read-only tools on real checkpoints: `audit` (how unbalanced is it?) and `diff` (is B A modulo
-the attention symmetry group?). Neither ever writes to the checkpoints it is given."""
+"""Tools on real checkpoints: `audit` (how unbalanced is it?), `diff` (is B A modulo the
+whole-model symmetry group?), `canonicalize` and `rewrite` (function-preserving surgery,
+verified before anything is written). None ever writes to the checkpoints it is given."""

@@ -13,9 +13,6 @@ then moved into place. The input is never modified.
 from __future__ import annotations
 
 import math
-import os
-import secrets
-import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,11 +20,11 @@ from typing import Any
 
 import torch
 
-from attnid.adapters.base import hf_model_class, read_hf_config
-from attnid.adapters.config import model_path
+from attnid.adapters.base import read_hf_config
 from attnid.checkpoint.load import Checkpoint, open_checkpoint
+from attnid.checkpoint.output import check_out_dir, end_to_end, staged
 from attnid.errors import AttnidError, require
-from attnid.io import DTYPES, weight_files, write_streaming
+from attnid.io import DTYPES, write_streaming
 from attnid.symmetry.rebalance import drop_key_bias as zero_free_key_bias
 from attnid.symmetry.rebalance import fold_value_bias as fold_value_bias_into_output
 from attnid.symmetry.rebalance import rebalance_qk, rebalance_vo
@@ -66,57 +63,63 @@ def canonicalize(in_dir: str | Path, out_dir: str | Path, *, drop_key_bias: bool
     )
     stats = {"max_abs_diff": 0.0, "max_rel_diff": 0.0, "key_bias_dropped": 0,
              "value_bias_folded": 0, "heads_balanced": 0, "norms_folded": 0}
-    folded = _fold_norms(ck, stats) if fold_norms else {}
+    if fold_norms:
+        require("transformers", "hf")
+    folded = FoldedNorms(ck, stats) if fold_norms else None
     e2e = _write_verified(ck, ops, folded, stats, dst, end_to_end_max_bytes)
     return {**stats, "end_to_end_rel_diff": e2e, "layers": ck.n_layers,
             "operations": asdict(ops), "architecture": ck.adapter.family,
             "seconds": time.perf_counter() - start, "out_dir": str(dst)}
 
 
-def check_out_dir(in_dir: str | Path, out_dir: str | Path, force: bool) -> tuple[Path, Path]:
-    """``(IN_DIR, OUT_DIR)`` resolved, refused before any work when writing OUT_DIR could touch
-    the input or replace something without ``force``."""
-    src, dst = model_path(in_dir).resolve(), Path(out_dir).resolve()
-    if not src.is_dir():
-        raise AttnidError(f"{in_dir} is not a directory")
-    if dst == src or dst in src.parents or src in dst.parents:
-        raise AttnidError("OUT_DIR must be neither IN_DIR nor inside it nor around it "
-                          "(the input is never modified)")
-    if dst.exists() and not dst.is_dir():
-        raise AttnidError(f"{out_dir} exists and is not a directory")
-    if dst.exists() and any(dst.iterdir()) and not force:
-        raise AttnidError(f"{out_dir} exists and is not empty (use --force to replace it)")
-    return src, dst
+class FoldedNorms:
+    """--fold-norms: every absorbable norm gain folded into its readers by the one folding path
+    (`attnid.whole.transforms.fold_norm_gains` on `ModelTensors`), one unit (a layer) at a
+    time, each fold checked on random inputs of the norm's readers (float64)."""
+
+    def __init__(self, ck: Checkpoint, stats: dict[str, Any]) -> None:
+        from attnid.checkpoint.units import open_units  # transformers: only with --fold-norms
+        from attnid.whole.transforms.norms import foldable
+
+        self.units = open_units(ck)
+        self.unit_of = {c: self.units.unit_of[s] for s, c in self.units.to_ck.items()}
+        self.stats = stats
+        self.cache: dict[int, dict[str, torch.Tensor]] = {}
+        self.gen = torch.Generator().manual_seed(0)
+        stats["norms_folded"] = sum(foldable(nm) for nm in self.units.layout.norms)
+
+    def get(self, name: str) -> torch.Tensor | None:
+        """The folded float64 tensor of checkpoint name ``name`` (None where folding leaves it)."""
+        if name not in self.unit_of:
+            return None
+        u = self.unit_of[name]
+        if u not in self.cache:
+            from attnid.checkpoint.units import fold_check
+            from attnid.whole.transforms.norms import fold_norm_gains
+
+            if len(self.cache) > 2:  # units come in order: keep a few
+                self.cache.pop(next(iter(self.cache)))
+            before = self.units.load(u, torch.float64)
+            after = fold_norm_gains(before)
+            worst = fold_check(before, after, self.gen)
+            if not math.isfinite(worst) or worst > tolerance(torch.float64):
+                raise AttnidError(f"refused: folding norm gains changed a reader's output by {worst:.2e}")
+            self.stats["max_rel_diff"] = max(self.stats["max_rel_diff"], worst)
+            self.cache[u] = {self.units.to_ck[n]: t for n, t in after.tensors.items()
+                             if t is not before.tensors[n]}
+        return self.cache[u].get(name)
 
 
-def _fold_norms(ck: Checkpoint, stats: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """--fold-norms: every absorbable norm gain into its readers (float64, checked per norm);
-    the folded tensors by checkpoint name."""
-    require("transformers", "hf")
-    from attnid.whole.transforms.fold import fold_norm_tensors, foldable_norms  # torch + transformers
-
-    def get(name: str) -> torch.Tensor | None:
-        n = ck.resolve(name)
-        return None if n is None else ck.tensor(n).double()
-
-    norms = foldable_norms(ck.config)
-    folded, worst = fold_norm_tensors(norms, get)
-    if not math.isfinite(worst) or worst > tolerance(torch.float64):
-        raise AttnidError(f"refused: folding norm gains changed a reader's output by {worst:.2e}")
-    stats["norms_folded"] = len(norms)
-    stats["max_rel_diff"] = max(stats["max_rel_diff"], worst)
-    return {ck.resolve(k): v for k, v in folded.items()}
-
-
-def rewrite_layer(ck: Checkpoint, i: int, ops: Operations, folded: dict[str, torch.Tensor],
+def rewrite_layer(ck: Checkpoint, i: int, ops: Operations, folded: FoldedNorms | None,
                   stats: dict[str, Any], gen: torch.Generator) -> dict[str, torch.Tensor]:
     """Layer ``i``'s rewritten tensors (full names, stored dtype), checked in float64 first."""
     s, adapter, prefix = ck.specs[i], ck.adapter, ck.prefix
     raw = {}
     for n in adapter.names(i, s):
         raw[n] = ck.tensor(prefix + n)
-        if prefix + n in folded:  # a norm's gain folded into this reader first
-            raw[n] = folded[prefix + n].to(raw[n].dtype)
+        f = None if folded is None else folded.get(prefix + n)
+        if f is not None:  # a norm's gain folded into this reader first
+            raw[n] = f.to(raw[n].dtype)
     dtype = next(iter(raw.values())).dtype
     w0 = adapter.read({k: v.double() for k, v in raw.items()}, i, s)
     written = {k: v.to(dtype) for k, v in adapter.write(transform(w0, ops, stats), i).items()}
@@ -128,42 +131,33 @@ def rewrite_layer(ck: Checkpoint, i: int, ops: Operations, folded: dict[str, tor
     return {prefix + k: v for k, v in written.items()}
 
 
-def _write_verified(ck: Checkpoint, ops: Operations, folded: dict[str, torch.Tensor],
+def _write_verified(ck: Checkpoint, ops: Operations, folded: FoldedNorms | None,
                     stats: dict[str, Any], dst: Path, end_to_end_max_bytes: int) -> float | None:
     """Write into a fresh sibling of ``dst``, verify, then move it into place; returns the
     end-to-end relative difference (``None`` when the checkpoint is too big to load twice)."""
     owner = ck.layer_of()
     cache: dict[str, torch.Tensor] = {}
     gen = torch.Generator().manual_seed(0)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.parent / f".{dst.name}.{secrets.token_hex(4)}.tmp"
-    tmp.mkdir()  # mode 0o777 less the umask, like any folder the user creates
-    try:
-        copy_other_files(ck.root, tmp, {f.path.name for f in ck.files})
+    e2e = None
+    with staged(dst, ck.root, {f.path.name for f in ck.files}) as tmp:
         for f in ck.files:
             def produce(name: str) -> torch.Tensor:
                 if name in owner:
                     if name not in cache:
                         cache.update(rewrite_layer(ck, owner[name], ops, folded, stats, gen))
                     return cache.pop(name)
-                if name in folded:
-                    return folded[name].to(DTYPES[ck.info(name).dtype])
+                new = None if folded is None else folded.get(name)
+                if new is not None:
+                    return new.to(DTYPES[ck.info(name).dtype])
                 return ck.tensor(name)  # untouched: its stored bytes, any dtype
 
             entries = [(n, f.info(n).dtype, f.info(n).shape) for n in f.names]
             write_streaming(tmp / f.path.name, entries, produce, f.metadata)
-        e2e = None
         if sum(f.path.stat().st_size for f in ck.files) <= end_to_end_max_bytes:
-            e2e = _end_to_end(ck.root, tmp, ck.config)
+            e2e = end_to_end(ck.root, tmp, ck.config)
             if e2e > 10 * tolerance(ck.dtype()):
                 raise AttnidError(f"refused: the rewritten model's outputs differ by {e2e:.2e} "
                                   "(relative); nothing was written")
-        if dst.exists():
-            shutil.rmtree(dst)
-        os.replace(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return e2e
 
 
@@ -198,46 +192,3 @@ def _check_layer(w0: AttentionWeights, w1: AttentionWeights, dtype: torch.dtype,
                           "nothing was written")
 
 
-def copy_other_files(src: Path, dst: Path, weights: set[str]) -> None:
-    """Everything in the model directory but its weight files (config, tokenizer, ...)."""
-    for item in src.rglob("*"):
-        rel = item.relative_to(src)
-        if item.is_dir() or (len(rel.parts) == 1 and item.name in weights):
-            continue
-        target = dst / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(item, target)
-
-
-def _end_to_end(src: Path, out: Path, config: dict[str, Any]) -> float:
-    """Load both checkpoints with transformers, run probe tokens, return the relative difference."""
-    require("transformers", "hf")
-    import transformers  # optional heavy dependency: loaded only here
-
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    loader = hf_model_class(config)  # the one resolver of an architecture to its class
-    try:  # transformers reading the user's checkpoint: whatever it raises is its refusal
-        a, info = loader.from_pretrained(src, output_loading_info=True)
-    except Exception as e:
-        raise AttnidError(f"{src / 'config.json'}: transformers cannot load this checkpoint "
-                          f"({type(e).__name__}: {e}); nothing was written") from None
-    if info["missing_keys"]:  # it would fill them at random, and the outputs could not agree
-        missing = sorted(info["missing_keys"], key=lambda k: (k.startswith("lm_head."), k))  # tied last
-        files = ", ".join(str(p) for p in weight_files(src))
-        raise AttnidError(f"{files}: transformers finds no stored tensor for {missing[0]}"
-                          + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
-                          + f" of {loader.__name__}; nothing was written")
-    try:
-        a = a.eval()
-        b = loader.from_pretrained(out).eval()
-    except Exception as e:
-        raise AttnidError(f"refused: transformers could not load the rewritten checkpoint: {e}") from None
-    vocab = int(config.get("vocab_size", 100))
-    ids = torch.randint(0, min(vocab, 1000), (2, 12), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        ya = a(input_ids=ids)
-        yb = b(input_ids=ids)
-    ta = ya.logits if hasattr(ya, "logits") and ya.logits is not None else ya.last_hidden_state
-    tb = yb.logits if hasattr(yb, "logits") and yb.logits is not None else yb.last_hidden_state
-    return float((ta - tb).double().norm() / ta.double().norm())

@@ -1,265 +1,76 @@
-"""`attnid diff`: are two checkpoints the same function modulo the attention symmetry group?
+"""`attnid diff`: are two checkpoints the same function modulo the whole-model symmetry group?
 
-Per layer, the function of attention is fixed by invariants of the group, and B is compared
-with A on those (the *aligned residual*):
+The group `attnid.count_model` counts (docs/theory.md §13): norm gain transfers, the
+residual-stream rotation, LayerNorm centring and bias transfer, writes along all-ones,
+embedding translations, logit shift, parallel-bias transfer, MLP neuron scaling, the attention
+group of every layer (RoPE commutant, GQA, biases, QK-norm), and the permutations of heads and
+MLP neurons. `attnid.whole.fit` gauge-fixes both checkpoints, fits the element that maps B onto
+A (Procrustes for the rotation, linear assignment for the permutations, least squares per
+group) and compares every gauge-fixed piece at the dtype's rounding, one layer at a time (any
+size, sharded safetensors included). B is *certified* when every residual is at rounding;
+otherwise the first piece that breaks, in forward order, is named by its layer, head and the
+checkpoint tensor to blame. Per layer: the stored distance, the distance after the fitted
+element, and the share of the difference the rotation and the permutations explain.
 
-* QK, per query head: ``W~_Q^h W~_K^gT`` with ``W~ = [W; b]`` (bias row appended) and the
-  key bias's pass-through part removed (key-bias translation). Under RoPE the product is
-  split into what RoPE keeps apart: the pass-through block, and per rotated plane its
-  ``cos`` part ``q1 k1^T + q2 k2^T`` and its ``sin`` part ``q1 k2^T - q2 k1^T``; only the
-  commutant of RoPE leaves these unchanged, so a full GL rotation of Q/K under RoPE is caught.
-  QK-norm: ``W_Q``, ``W_K`` and the gain product ``g_Q g_K`` directly.
-* VO, per head: ``W_V^g W_O^h``; with an elementwise output gate (``vo_gauge="diagonal"``)
-  only per-dim scalings commute with the gate, so per dim ``v_j o_j^T``.
-* the effective output bias ``b_O + sum_g b_V^g sum_{h in g} W_O^h`` (value-bias folding).
-
-Each residual is relative to the product of the factors' norms, the size rounding acts on,
-so B is *certified* when every residual sits at the dtype's rounding level. Products are
-compared in an orthonormal basis of the factors' column spaces (``[..., 2k, 2k]``, never
-``d x d``). Separately, per group, the gauge that best maps B onto A is fitted (least
-squares on the stacked query heads and on the values; RoPE: within the commutant), to
-report the distance after alignment and the share of the raw difference that is pure gauge
-(what the fitted element leaves is then projected off the orbit's tangent space at A, the
-first-order step that makes small differences, as in fine-tuning, come out right).
-Every tensor outside attention must match to rounding (whole-model symmetries are not
-covered).
+`compare_layers` (the attention group of one layer, `attnid.symmetry.invariants`) is re-exported.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from attnid.checkpoint.load import Checkpoint, open_checkpoint
+from attnid.checkpoint.units import Units, open_units
 from attnid.errors import AttnidError
-from attnid.rope import plane_dims
-from attnid.spec import AttentionSpec
-from attnid.symmetry.projection import remove_tangent
-from attnid.weights import AttentionWeights, group_sum_out
-
-VOGauge = Literal["gl", "diagonal"]
-COVERS = [
-    "QK gauge per key/value group (GL; under RoPE only its commutant; QK-norm: gain transfer)",
-    "key-bias translation (pass-through dims)",
-    "VO gauge per key/value group (GL)",
-    "value-bias folding into the output bias",
-    "attention only: every other tensor must match to rounding",
-]
+from attnid.progress import Progress
+from attnid.symmetry.invariants import compare_layers as compare_layers
+from attnid.whole.fit.compare import UnitResult
+from attnid.whole.fit.fitter import Fit, fit
+from attnid.whole.fit.fitter import tolerance as fit_tolerance
+from attnid.whole.transforms.layout import Layout
 
 
 def tolerance(dtype: torch.dtype) -> float:
     """The rounding level a certified residual may reach for checkpoints stored in ``dtype``."""
-    return max(8 * torch.finfo(dtype).eps, 1e-13)
+    return fit_tolerance(dtype)
 
 
-@dataclass(frozen=True)
-class LayerDiff:
-    raw_distance: float  # ||B - A|| over the layer's stored tensors
-    aligned_distance: float  # ||g.B - A|| after the fitted group element
-    gauge_share: float  # 1 - aligned^2 / raw^2 (clipped to [0, 1]; 1 when A == B)
-    worst_tensor: str  # the invariant with the largest residual
-    worst_head: int
-    residual: float  # that residual (relative to the factors' scale)
-    residuals: dict[str, float]  # max over heads, per invariant
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"raw_distance": self.raw_distance, "aligned_distance": self.aligned_distance,
-                "gauge_share": self.gauge_share, "worst_tensor": self.worst_tensor,
-                "worst_head": self.worst_head, "residual": self.residual, "residuals": self.residuals}
-
-
-# ---- invariants -------------------------------------------------------------------------
-def _basis(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Orthonormal basis ``[..., d, <=2k]`` of the column spaces of ``a, b [..., d, k]``."""
-    return torch.linalg.qr(torch.cat([a, b], dim=-1))[0]
-
-
-def _with_bias(x: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    row = torch.zeros_like(x[..., :1, :]) if b is None else b.unsqueeze(-2)
-    return torch.cat([x, row], dim=-2)
-
-
-def _qk_parts(q: torch.Tensor, k: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
-    """``q [H, a, dk]``, ``k [H, b, dk]`` -> the RoPE-separated products ``[H, n, a, b]``."""
-    r = spec.rope_dims
-    parts = [q[..., r:] @ k[..., r:].transpose(-1, -2)]
-    if r:
-        i1, i2 = plane_dims(spec)
-        q1, q2, k1, k2 = q[..., i1], q[..., i2], k[..., i1], k[..., i2]  # [H, a, r/2]
-        cos = torch.einsum("hap,hbp->hpab", q1, k1) + torch.einsum("hap,hbp->hpab", q2, k2)
-        sin = torch.einsum("hap,hbp->hpab", q1, k2) - torch.einsum("hap,hbp->hpab", q2, k1)
-        parts = [parts[0].unsqueeze(1), cos, sin]
-        return torch.cat(parts, dim=1)
-    return parts[0].unsqueeze(1)
-
-
-def _block_residuals(dP: torch.Tensor, scale: torch.Tensor, names: tuple[str, str, str, str]
-                     ) -> dict[str, torch.Tensor]:
-    """Split ``dP [H, n, a+1, b+1]`` (bias row/column last) into its four blocks, per head."""
-    sq = dP**2
-    blocks = {names[0]: sq[..., :-1, :-1], names[1]: sq[..., -1:, :-1],
-              names[2]: sq[..., :-1, -1:], names[3]: sq[..., -1:, -1:]}
-    return {n: b.sum(dim=(-3, -2, -1)).sqrt() / scale for n, b in blocks.items()}
-
-
-def _key_bias(w: AttentionWeights) -> torch.Tensor | None:
-    """The key bias with its invisible (pass-through) part removed."""
-    if w.b_K is None:
-        return None
-    b = w.b_K.clone()
-    b[..., w.spec.rope_dims:] = 0.0
-    return b
-
-
-def qk_residuals(A: AttentionWeights, B: AttentionWeights) -> dict[str, torch.Tensor]:
-    """Per query head, relative residual of each QK invariant block: ``{name: [H]}``."""
-    s = A.spec
-    m = s.group_size
-    if s.qk_norm != "none":
-        out = {}
-        for n in ("W_Q", "W_K"):
-            d = (A[n] - B[n]).flatten(-2).norm(dim=-1) / A[n].flatten(-2).norm(dim=-1).clamp_min(1e-300)
-            out[n] = d.repeat_interleave(m) if n == "W_K" else d
-        g_A, g_B = A.g_Q * A.g_K, B.g_Q * B.g_K
-        out["g_Q*g_K"] = ((g_A - g_B).norm() / g_A.norm().clamp_min(1e-300)).expand(s.n_heads)
-        return out
-    kA, kB = (x.repeat_interleave(m, dim=0) for x in (A.W_K, B.W_K))  # [H, d, dk]
-    U, V = _basis(A.W_Q, B.W_Q), _basis(kA, kB)
-    qa, qb = _with_bias(U.mT @ A.W_Q, A.b_Q), _with_bias(U.mT @ B.W_Q, B.b_Q)
-    bkA, bkB = (None if b is None else b.repeat_interleave(m, dim=0) for b in (_key_bias(A), _key_bias(B)))
-    ka, kb = _with_bias(V.mT @ kA, bkA), _with_bias(V.mT @ kB, bkB)
-    dP = _qk_parts(qa, ka, s) - _qk_parts(qb, kb, s)
-    scale = torch.maximum(qa.flatten(-2).norm(dim=-1) * ka.flatten(-2).norm(dim=-1),
-                          qb.flatten(-2).norm(dim=-1) * kb.flatten(-2).norm(dim=-1)).clamp_min(1e-300)
-    return _block_residuals(dP, scale, ("W_Q·W_K", "b_Q·W_K", "W_Q·b_K", "b_Q·b_K"))
-
-
-def effective_out_bias(w: AttentionWeights) -> torch.Tensor:
-    """``b_O + sum_g b_V^g sum_{h in g} W_O^h`` (zeros when neither bias exists): ``[d]``."""
-    out = torch.zeros(w.spec.d_model, dtype=w.W_O.dtype) if w.b_O is None else w.b_O
-    if w.b_V is not None:
-        out = out + torch.einsum("gv,gvd->d", w.b_V, group_sum_out(w))
+def covers(lay: Layout, rotation: str) -> list[str]:
+    """What the fitted element spans for this architecture (docs/theory.md §13.19)."""
+    out = []
+    if any(nm.absorb is None and nm.gain for nm in lay.norms):
+        out.append("norm gains folded into their readers (gain transfer)")
+    out.append(f"residual-stream rotation ({rotation})" if rotation.startswith("fitted")
+               else f"no residual-stream rotation: {rotation}")
+    if lay.norm == "layer":
+        out.append("LayerNorm centring and bias transfer; writes along all-ones")
+    if lay.post:
+        out.append("post-LN: each norm's bias moved into the next output bias")
+    if len(lay.tables) > 1:
+        pad = " (and RoBERTa's pad rows)" if lay.padding_idx is not None else ""
+        out.append("embedding translations" + pad)
+    if lay.unembed is not None:
+        out.append("logit shift")
+    if lay.parallel:
+        out.append("parallel-bias transfer")
+    out += ["permutations of heads within and across key/value groups, and of MLP neurons "
+            "(linear assignment)",
+            "QK gauge per key/value group (GL; under RoPE only its commutant; QK-norm: gain transfer); "
+            "key-bias translation (pass-through dims)",
+            "VO gauge per key/value group (GL); value-bias folding into the output bias"]
+    if lay.mlp != "other":
+        out.append("MLP neuron scaling (" + ("gated: the up half" if lay.mlp == "gated" else "ReLU: positive")
+                   + ")")
+    out.append("every other tensor must match to rounding")
     return out
 
 
-def vo_residuals(A: AttentionWeights, B: AttentionWeights, vo_gauge: VOGauge = "gl"
-                 ) -> dict[str, torch.Tensor]:
-    """Per head, relative residual of the VO invariant and of the effective output bias."""
-    s = A.spec
-    m = s.group_size
-    vA, vB = (x.repeat_interleave(m, dim=0) for x in (A.W_V, B.W_V))  # [H, d, dv]
-    oA, oB = A.W_O.mT, B.W_O.mT  # [H, d, dv]
-    U, V = _basis(vA, vB), _basis(oA, oB)
-    va, vb, oa, ob = U.mT @ vA, U.mT @ vB, V.mT @ oA, V.mT @ oB  # [H, c, dv]
-    if vo_gauge == "diagonal":
-        dP = torch.einsum("hav,hbv->hvab", va, oa) - torch.einsum("hav,hbv->hvab", vb, ob)
-    else:
-        dP = (va @ oa.mT - vb @ ob.mT).unsqueeze(1)
-    scale = torch.maximum(va.flatten(-2).norm(dim=-1) * oa.flatten(-2).norm(dim=-1),
-                          vb.flatten(-2).norm(dim=-1) * ob.flatten(-2).norm(dim=-1)).clamp_min(1e-300)
-    out = {"W_V·W_O": (dP**2).sum(dim=(-3, -2, -1)).sqrt() / scale}
-    if A.b_V is not None or A.b_O is not None:
-        d = (effective_out_bias(A) - effective_out_bias(B)).norm()
-        d = d / torch.maximum(_bias_scale(A), _bias_scale(B)).clamp_min(1e-300)
-        out["b_O+b_V·W_O"] = d.expand(s.n_heads)
-    return out
-
-
-def _bias_scale(w: AttentionWeights) -> torch.Tensor:
-    """``||b_O|| + sum_g ||b_V^g|| ||sum_{h in g} W_O^h||``: what rounding acts on."""
-    t = torch.zeros((), dtype=w.W_O.dtype) if w.b_O is None else w.b_O.norm()
-    if w.b_V is not None:
-        t = t + (w.b_V.norm(dim=-1) * group_sum_out(w).flatten(-2).norm(dim=-1)).sum()
-    return t
-
-
-# ---- alignment (for the distances) ------------------------------------------------------
-def _fit(X: torch.Tensor, Y: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
-    """``M [G, k, k]`` minimising ``||X M - Y||`` (``X, Y [G, n, k]``), in the RoPE commutant."""
-    r = spec.rope_dims
-    if r == 0:
-        return torch.linalg.lstsq(X, Y).solution
-    M = torch.zeros(*X.shape[:-2], X.shape[-1], X.shape[-1], dtype=X.dtype)
-    if spec.pass_dims:
-        M[..., r:, r:] = torch.linalg.lstsq(X[..., r:], Y[..., r:]).solution
-    i1, i2 = plane_dims(spec)
-    x1, x2, y1, y2 = X[..., i1], X[..., i2], Y[..., i1], Y[..., i2]  # [G, n, r/2]
-    den = ((x1**2).sum(-2) + (x2**2).sum(-2)).clamp_min(1e-300)
-    a = ((x1 * y1).sum(-2) + (x2 * y2).sum(-2)) / den
-    b = ((x1 * y2).sum(-2) - (x2 * y1).sum(-2)) / den
-    M[..., i1, i1] = a
-    M[..., i2, i2] = a
-    M[..., i1, i2] = b
-    M[..., i2, i1] = -b
-    return M
-
-
-def align(A: AttentionWeights, B: AttentionWeights, vo_gauge: VOGauge = "gl") -> AttentionWeights:
-    """The group element applied to B that best maps it onto A (key-bias pass part set to A's,
-    value bias folded when an output bias exists)."""
-    s = A.spec
-    G, m = s.n_kv_heads, s.group_size
-    new: dict[str, torch.Tensor | None] = {}
-    if s.qk_norm == "none":
-        stack = lambda W: W.reshape(G, m * s.d_model, s.head_dim)  # noqa: E731
-        M = _fit(stack(B.W_Q), stack(A.W_Q), s)
-        Mh, M_invT = M.repeat_interleave(m, dim=0), torch.linalg.pinv(M).mT
-        new["W_Q"], new["W_K"] = B.W_Q @ Mh, B.W_K @ M_invT
-        if B.b_Q is not None:
-            new["b_Q"] = (B.b_Q.unsqueeze(-2) @ Mh).squeeze(-2)
-        if B.b_K is not None:
-            new["b_K"] = (B.b_K.unsqueeze(-2) @ M_invT).squeeze(-2)
-    if vo_gauge == "diagonal":
-        C = torch.diag_embed((B.W_V * A.W_V).sum(-2) / (B.W_V**2).sum(-2).clamp_min(1e-300))
-    else:
-        C = torch.linalg.lstsq(B.W_V, A.W_V).solution  # [G, dv, dv]
-    new["W_V"] = B.W_V @ C
-    new["W_O"] = torch.linalg.pinv(C).repeat_interleave(m, dim=0) @ B.W_O
-    if B.b_V is not None:
-        new["b_V"] = (B.b_V.unsqueeze(-2) @ C).squeeze(-2)
-    return _bias_gauge(A, B.replace(**new))
-
-
-def _bias_gauge(A: AttentionWeights, B: AttentionWeights) -> AttentionWeights:
-    """B with its invisible key bias set to A's and its value bias folded the way A's is."""
-    if B.b_K is not None and A.spec.qk_norm == "none":
-        bk = B.b_K.clone()
-        bk[..., A.spec.rope_dims:] = A.b_K[..., A.spec.rope_dims:]
-        B = B.replace(b_K=bk)
-    if A.b_V is not None and A.b_O is not None:  # fold: only the effective output bias matters
-        B = B.replace(b_V=A.b_V, b_O=effective_out_bias(B) - _folded(A))
-    return B
-
-
-def _folded(w: AttentionWeights) -> torch.Tensor:
-    return torch.einsum("gv,gvd->d", w.b_V, group_sum_out(w))
-
-
-def _distance(A: AttentionWeights, B: AttentionWeights) -> float:
-    return float(sum(((A[n] - B[n]) ** 2).sum() for n, _ in A.items())) ** 0.5
-
-
-def compare_layers(A: AttentionWeights, B: AttentionWeights, vo_gauge: VOGauge = "gl") -> LayerDiff:
-    """Diff of one layer (float64 containers of the same spec)."""
-    if A.spec != B.spec:
-        raise AttnidError(f"the layers differ in architecture: {A.spec.describe()} vs {B.spec.describe()}")
-    res = {**qk_residuals(A, B), **vo_residuals(A, B, vo_gauge)}
-    per_name = {n: float(t.max()) for n, t in res.items()}
-    worst = max(per_name, key=per_name.__getitem__)
-    raw = _distance(A, B)
-    # the fitted group element, then (first order, as for rho) the orbit-tangent part of what is left
-    start = min((align(A, B, vo_gauge), _bias_gauge(A, B)), key=lambda x: _distance(A, x))
-    rest = start - A if vo_gauge == "diagonal" else remove_tangent(A, start - A)
-    aligned = min(raw, _distance(A, start), (rest.dot(rest).item()) ** 0.5)
-    share = 1.0 if raw == 0.0 else min(1.0, max(0.0, 1.0 - (aligned / raw) ** 2))
-    return LayerDiff(raw_distance=raw, aligned_distance=aligned, gauge_share=share, worst_tensor=worst,
-                     worst_head=int(res[worst].argmax()), residual=per_name[worst], residuals=per_name)
-
-
-def diff(model_a: str | Checkpoint, model_b: str | Checkpoint) -> dict[str, Any]:
-    """Compare two checkpoints of one architecture modulo the attention symmetry group."""
+def diff(model_a: str | Checkpoint, model_b: str | Checkpoint, *, probes: int | None = None,
+         progress: Progress | None = None) -> dict[str, Any]:
+    """Compare two checkpoints of one architecture modulo the whole-model symmetry group
+    (`attnid.whole.fit.fit`, streamed one unit at a time); the report of `attnid diff`."""
     a = model_a if isinstance(model_a, Checkpoint) else open_checkpoint(model_a)
     b = model_b if isinstance(model_b, Checkpoint) else open_checkpoint(model_b)
     if a.adapter.family != b.adapter.family or a.specs != b.specs:
@@ -270,44 +81,68 @@ def diff(model_a: str | Checkpoint, model_b: str | Checkpoint) -> dict[str, Any]
     if names_a != names_b:
         extra = sorted(names_a ^ names_b)[:3]
         raise AttnidError(f"{a.path} and {b.path} hold different tensors (e.g. {', '.join(extra)})")
-    dtype = max(a.dtype(), b.dtype(), key=lambda t: torch.finfo(t).eps)
-    tol = tolerance(dtype)
-    layers = []
-    for i in range(a.n_layers):
-        d = compare_layers(a.layer(i), b.layer(i))
-        layers.append({"layer": i, **d.to_dict()})
-    other = _other_tensors(a, b)
-    breaks = [r for r in layers if r["residual"] > tol]
-    worst = max(layers, key=lambda r: r["residual"])
-    brk = None  # a break inside attention is named first (it is measured modulo the gauge)
-    if breaks:
-        brk = {"layer": worst["layer"], "tensor": worst["worst_tensor"], "head": worst["worst_head"],
-               "residual": worst["residual"]}
-    elif other["residual"] > tol:
-        brk = {"layer": None, "tensor": other["worst_tensor"], "residual": other["residual"]}
-    return {"model_a": str(a.path), "model_b": str(b.path), "architecture": a.adapter.family,
-            "dtype": str(dtype).split(".")[-1], "tolerance": tol, "certified": brk is None,
-            "covers": COVERS, "break": brk, "other": other, "layers": layers}
+    for n in sorted(names_a):
+        sa, sb = a.info(_full(a, n)).shape, b.info(_full(b, n)).shape
+        if sa != sb:
+            raise AttnidError(f"{n} has shape {list(sa)} in {a.path} but {list(sb)} in {b.path}")
+    if probes is not None and probes < 1:
+        raise AttnidError(f"--probes must be a positive number of directions, got {probes}")
+    ua, ub = open_units(a), open_units(b)
+    if ua.layout != ub.layout:
+        raise AttnidError(f"{a.path} and {b.path} are not the same architecture (tied vs untied?)")
+    shown = progress if progress is not None else Progress(enabled=False)
+    f = fit(ua, ub, probe_k=probes, progress=shown.line)
+    return report(a, b, ua, f)
 
 
-def _other_tensors(a: Checkpoint, b: Checkpoint) -> dict[str, Any]:
-    """Largest relative difference among the tensors outside attention."""
-    worst, worst_res = None, 0.0
-    for n in a.other_names():
-        rel = _rel(a, n)
-        ta, tb = a.tensor(n), b.tensor(b.prefix + rel if b.prefix + rel in b.index else rel)
-        if ta.shape != tb.shape:
-            raise AttnidError(f"{n} has shape {tuple(ta.shape)} in {a.path} "
-                              f"but {tuple(tb.shape)} in {b.path}")
-        if not ta.is_floating_point():
-            r = float((ta != tb).any())
+def report(a: Checkpoint, b: Checkpoint, units: Units, f: Fit) -> dict[str, Any]:
+    """The JSON of `attnid diff` from a fit (names in checkpoint terms)."""
+    L = len(units.layout.layers)
+    tol = f.tolerance
+    brk = None
+    rows, outside = [], []
+    for u, r in enumerate(f.units):
+        layer = u - 1 if 0 < u <= L else None
+        for x in r.residuals:
+            if brk is None and x.residual > tol:
+                brk = {"layer": layer, "tensor": units.label(x.tensor), "head": x.head,
+                       "residual": x.residual, "invariant": x.invariant, "reason": x.reason}
+        if layer is None:
+            outside += r.residuals
         else:
-            ta, tb = ta.double(), tb.double()
-            den = max(float(ta.norm()), float(tb.norm()), 1e-300)
-            r = float((ta - tb).norm()) / den
-        if worst is None or r > worst_res:
-            worst, worst_res = n, r
-    return {"worst_tensor": worst, "residual": worst_res}
+            rows.append(_layer_row(layer, r, f.raw[u], units))
+    worst = max(outside, key=lambda x: x.residual, default=None)
+    other = {"worst_tensor": None if worst is None else units.label(worst.tensor),
+             "residual": 0.0 if worst is None else worst.residual}
+    return {"model_a": str(a.path), "model_b": str(b.path), "architecture": a.adapter.family,
+            "dtype": str(f.dtype).split(".")[-1], "tolerance": tol, "certified": brk is None,
+            "covers": covers(units.layout, f.rotation), "rotation": f.rotation,
+            "probes": f.probes, "break": brk, "other": other, "layers": rows}
+
+
+def _share(x: float, y: float, of: float) -> float:
+    return 0.0 if of == 0.0 else min(1.0, max(0.0, (x - y) / of))
+
+
+def _layer_row(layer: int, r: UnitResult, raw: float, units: Units) -> dict[str, Any]:
+    d = r.distances  # squared
+    worst = max(r.residuals, key=lambda x: x.residual)
+    residuals: dict[str, float] = {}
+    for x in r.residuals:
+        residuals[x.invariant] = max(residuals.get(x.invariant, 0.0), x.residual)
+    aligned = d["aligned"] ** 0.5
+    return {"layer": layer, "raw_distance": raw, "gauge_fixed_distance": d["fixed"] ** 0.5,
+            "rotated_distance": d["rotated"] ** 0.5, "permuted_distance": d["permuted"] ** 0.5,
+            "aligned_distance": aligned,
+            "gauge_share": 1.0 if raw == 0.0 else min(1.0, max(0.0, 1.0 - (aligned / raw) ** 2)),
+            "rotation_share": _share(d["fixed"], d["rotated"], d["fixed"]),
+            "permutation_share": _share(d["rotated"], d["permuted"], d["fixed"]),
+            "worst_tensor": units.label(worst.tensor), "worst_invariant": worst.invariant,
+            "worst_head": worst.head, "residual": worst.residual, "residuals": residuals}
+
+
+def _full(ck: Checkpoint, rel: str) -> str:
+    return ck.prefix + rel if ck.prefix + rel in ck.index else rel
 
 
 def _rel(ck: Checkpoint, name: str) -> str:

@@ -56,11 +56,23 @@ class Checkpoint:
         """A tensor's stored dtype name and shape, from the header (nothing is read)."""
         return self.index[name].info(name)
 
-    def tensor(self, name: str) -> torch.Tensor:
+    def tensor(self, name: str, *, check: bool = True) -> torch.Tensor:
         """One tensor as stored; NaN or Inf in a float64/32/16 or bfloat16 tensor is refused
-        here, once for all the checkpoint tools (float8 and other dtypes attnid only copies)."""
+        here, once for all the checkpoint tools (float8 and other dtypes attnid only copies).
+        ``check=False`` leaves that to a caller that sees every value pass through a sum anyway
+        (`attnid diff`'s distances, which then ask again with the check)."""
         t = self.index[name].tensor(name)
-        if t.dtype in DTYPES.values() and not torch.isfinite(t).all():
+        return self._finite(name, t) if check else t
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of a tensor (only those are read), checked like `tensor`."""
+        return self._finite(name, self.index[name].rows(name, start, stop))
+
+    def _finite(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        # a float32 sum is NaN or Inf whenever an element is (and, rarely, on overflow: then
+        # every element is checked); twice as fast as isfinite on bfloat16
+        if t.dtype in DTYPES.values() and not (torch.isfinite(t.sum(dtype=torch.float32))
+                                                or torch.isfinite(t).all()):
             raise AttnidError(f"{self.index[name].path}: tensor {name} holds NaN or Inf values")
         return t
 

@@ -1,4 +1,4 @@
-"""``attnid diff``: compare two checkpoints modulo the attention symmetry group."""
+"""``attnid diff``: compare two checkpoints modulo the whole-model symmetry group."""
 
 from __future__ import annotations
 
@@ -12,18 +12,27 @@ from attnid.cli.app import Json, app, console, emit_json
 @app.command("diff")
 def diff_cmd(
     model_a: Annotated[str, typer.Argument(
-        help="Reference checkpoint (directory, config.json, .safetensors, or a Hugging Face "
-             "id such as org/name, read from the local cache).")],
+        help="Reference checkpoint (directory, config.json, .safetensors, sharded too, or a "
+             "Hugging Face id such as org/name, read from the local cache).")],
     model_b: Annotated[str, typer.Argument(help="Checkpoint to compare with it (same architecture).")],
+    probes: Annotated[int | None, typer.Option(
+        "--probes", help="Compare through K random stream directions (default: the whole stream "
+                         "up to width 512, else enough for the head fits).")] = None,
     json_out: Json = False,
 ) -> None:
-    """Is B the function of A up to the attention symmetries? Exit 0: certified to the dtype's
-    rounding; exit 1: not, and the layer, tensor and size of the break are named."""
+    """Is B the function of A up to the whole model's symmetries (norm gains, residual rotation,
+    permutations, attention gauges, MLP scaling, ...)? Exit 0: certified to the dtype's
+    rounding; exit 1: not, and the layer, checkpoint tensor and size of the first break are
+    named; exit 2: bad input."""
     from attnid.checkpoint.diff import diff
+    from attnid.checkpoint.load import open_checkpoint
     from attnid.errors import require_extras
+    from attnid.progress import Progress
 
     require_extras("hf", what="attnid diff")
-    r = diff(model_a, model_b)
+    a, b = open_checkpoint(model_a), open_checkpoint(model_b)
+    size = sum(f.path.stat().st_size for ck in (a, b) for f in ck.files)
+    r = diff(a, b, probes=probes, progress=Progress(enabled=size > 2**28))  # quiet when small
     if json_out:
         emit_json(r)
     else:
@@ -35,25 +44,29 @@ def _print(r: dict) -> None:
     from rich.table import Table
 
     table = Table(title=f"{r['model_b']} vs {r['model_a']}  ({r['architecture']}, {r['dtype']})")
-    for col in ("layer", "raw distance", "aligned distance", "gauge share", "worst invariant", "residual"):
+    for col in ("layer", "raw distance", "aligned distance", "gauge share", "rotation share",
+                "permutation share", "worst", "residual"):
         table.add_column(col, justify="right")
     for x in r["layers"]:
+        head = "" if x["worst_head"] is None else f", head {x['worst_head']}"
         table.add_row(str(x["layer"]), f"{x['raw_distance']:.3g}", f"{x['aligned_distance']:.3g}",
-                      f"{x['gauge_share']:.4f}", f"{x['worst_tensor']} (head {x['worst_head']})",
+                      f"{x['gauge_share']:.4f}", f"{x['rotation_share']:.4f}",
+                      f"{x['permutation_share']:.4f}", f"{x['worst_invariant']}{head}",
                       f"{x['residual']:.2e}")
     out = console()
     out.print(table)
     o = r["other"]
-    if o["worst_tensor"] is not None and o["residual"] == 0.0:
-        out.print("outside attention: every tensor identical")
-    elif o["worst_tensor"] is not None:
-        out.print(f"outside attention: largest difference {o['residual']:.2e} in {o['worst_tensor']}")
+    if o["worst_tensor"] is not None:
+        out.print(f"embeddings and head: largest residual {o['residual']:.2e} ({o['worst_tensor']})")
     out.print("covers: " + "; ".join(r["covers"]))
     b = r["break"]
     if b is None:
         out.print(f"CERTIFIED: B computes A's function up to {r['dtype']} rounding "
                   f"(every residual <= {r['tolerance']:.1e})")
     else:
-        where = "outside attention" if b["layer"] is None else f"layer {b['layer']}, head {b['head']}"
-        out.print(f"NOT CERTIFIED: {where}, {b['tensor']}: residual {b['residual']:.2e} "
-                  f"(rounding level {r['tolerance']:.1e})")
+        where = "outside the layers" if b["layer"] is None else f"layer {b['layer']}"
+        if b["head"] is not None:
+            where += f", head {b['head']}"
+        out.print(f"NOT CERTIFIED: {where}, {b['tensor']} ({b['invariant']}): residual "
+                  f"{b['residual']:.2e} (rounding level {r['tolerance']:.1e})"
+                  + (f"\n  {b['reason']}" if b["reason"] else ""))

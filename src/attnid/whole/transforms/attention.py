@@ -11,59 +11,53 @@ sees the constant ``W b``; ``W -> W + v (1/g)^T / s`` with ``s = sum(b / g)`` ad
 
 from __future__ import annotations
 
-import copy
-
 import torch
-from torch import nn
 
-from attnid.adapters.registry import adapter_for
+from attnid.errors import AttnidError
 from attnid.weights import AttentionWeights, group_sum_out, pass_mask
-from attnid.whole.transforms.layout import ParamsBySuffix, layout_of
+from attnid.whole.transforms.layout import norm_by_path
+from attnid.whole.transforms.state import ModelTensors, on_modules
 
 
-def _setup(model: nn.Module, layer: int):
-    config = model.config.to_dict()
-    adapter = adapter_for(config)
-    spec = adapter.specs(config)[layer]
-    lay = layout_of(model)
+def _setup(m: ModelTensors, layer: int) -> tuple[AttentionWeights, torch.Tensor, float]:
+    spec = m.spec(layer)
+    lay = m.layout
     if lay.post or lay.norm != "layer" or spec.bias:
-        raise ValueError("offsets need an attention without biases behind a biased LayerNorm")
-    params = ParamsBySuffix(model)
-    norm = model.get_submodule(lay.attn_norm(layer))
-    if getattr(norm, "bias", None) is None:
-        raise ValueError("offsets need a biased LayerNorm")
-    g, b = norm.weight.detach(), norm.bias.detach()
-    return adapter, spec, params, adapter.read(params, layer, spec), g, float((b / g).sum())
+        raise AttnidError("offsets need an attention without biases behind a biased LayerNorm")
+    norm = norm_by_path(lay, lay.attn_norm(layer))
+    b = m.norm_bias(norm)
+    if b is None:
+        raise AttnidError("offsets need a biased LayerNorm")
+    g = m.gain(norm)
+    return m.attention(layer), g, float((b / g).sum())
 
 
-def _add(model: nn.Module, adapter, layer: int, params: ParamsBySuffix, w: AttentionWeights,
-         **dirs: torch.Tensor) -> nn.Module:
-    zero = w.map(torch.zeros_like).replace(**dirs)
-    new = copy.deepcopy(model)
-    with torch.no_grad():
-        for name, delta in adapter.write(zero, layer).items():
-            new.get_parameter(params.full(name)).add_(delta)
-    return new
+def _add(m: ModelTensors, layer: int, w: AttentionWeights, **dirs: torch.Tensor) -> ModelTensors:
+    new = w.replace(**{k: w[k] + v for k, v in dirs.items()})
+    return m.replace(m.attention_changes(layer, new))
 
 
-def key_offset(model: nn.Module, layer: int, kappa: torch.Tensor) -> nn.Module:
+@on_modules
+def key_offset(m: ModelTensors, layer: int, kappa: torch.Tensor) -> ModelTensors:
     """Keys of ``layer`` plus ``kappa`` (``[n_kv_heads, head_dim]``, zero on rotated dims)."""
-    adapter, spec, params, w, g, s = _setup(model, layer)
+    w, g, s = _setup(m, layer)
     kappa = kappa.to(w.W_K.dtype)
-    if float((kappa * (1 - pass_mask(spec, kappa))).abs().max()) > 0:
-        raise ValueError("a key offset on rotated dims changes the scores")
+    if float((kappa * (1 - pass_mask(w.spec, kappa))).abs().max()) > 0:
+        raise AttnidError("a key offset on rotated dims changes the scores")
     dW_K = (1 / g)[None, :, None] * kappa[:, None, :] / s  # [G, d, dk]
-    return _add(model, adapter, layer, params, w, W_K=dW_K)
+    return _add(m, layer, w, W_K=dW_K)
 
 
-def value_offset(model: nn.Module, layer: int, c: float) -> nn.Module:
+@on_modules
+def value_offset(m: ModelTensors, layer: int, c: float) -> ModelTensors:
     """Values of ``layer`` plus the ``nu`` whose output is ``c`` times all-ones."""
-    adapter, spec, params, w, g, s = _setup(model, layer)
+    w, g, s = _setup(m, layer)
+    spec = w.spec
     A = group_sum_out(w).reshape(-1, spec.d_model)  # [G dv, d]: nu -> output
     target = torch.full((spec.d_model, 1), c, dtype=A.dtype)
     nu = torch.linalg.lstsq(A.T, target).solution[:, 0]
     if float((A.T @ nu - target[:, 0]).norm()) > 1e-9 * max(abs(c), 1.0) * spec.d_model:
-        raise ValueError("no value offset reaches all-ones at this layer")
+        raise AttnidError("no value offset reaches all-ones at this layer")
     nu = nu.reshape(spec.n_kv_heads, -1)
     dW_V = (1 / g)[None, :, None] * nu[:, None, :] / s  # [G, d, dv]
-    return _add(model, adapter, layer, params, w, W_V=dW_V)
+    return _add(m, layer, w, W_V=dW_V)

@@ -12,75 +12,78 @@
 
 from __future__ import annotations
 
-import copy
-
 import torch
-from torch import nn
 
-from attnid.whole.transforms.layout import layout_of
+from attnid.errors import AttnidError
+from attnid.whole.transforms.state import ModelTensors, on_modules
 
 
-def embedding_translation(model: nn.Module, t: torch.Tensor, table: int = 1) -> nn.Module:
+def _table(m: ModelTensors, i: int) -> tuple[str, torch.Tensor]:
+    name = f"{m.layout.tables[i]}.weight"
+    return name, m.tensors[name]
+
+
+@on_modules
+def embedding_translation(m: ModelTensors, t: torch.Tensor, table: int = 1) -> ModelTensors:
     """Token table rows ``+ t``, table ``table``'s rows (1: positions or token types) ``- t``."""
-    lay = layout_of(model)
+    lay = m.layout
     if not 0 < table < len(lay.tables):
-        raise ValueError(f"no embedding table {table} to translate against (have {len(lay.tables)})")
-    new = copy.deepcopy(model)
-    tok, other = (new.get_submodule(lay.tables[i]).weight for i in (0, table))
-    with torch.no_grad():
-        tok.add_(t.to(tok.dtype)[None, :])
-        other.sub_(t.to(other.dtype)[None, :])
-    return new
+        raise AttnidError(f"no embedding table {table} to translate against (have {len(lay.tables)})")
+    (n0, tok), (n1, other) = _table(m, 0), _table(m, table)
+    return m.replace({n0: tok + t.to(tok.dtype)[None, :], n1: other - t.to(other.dtype)[None, :]})
 
 
-def logit_shift(model: nn.Module, u: torch.Tensor, c: float = 0.0) -> nn.Module:
+@on_modules
+def logit_shift(m: ModelTensors, u: torch.Tensor, c: float = 0.0) -> ModelTensors:
     """Every unembedding row plus ``u`` (``[d]``), its bias plus ``c``: the logits move by a
     per-position constant. A tied unembedding takes only ``c``."""
-    lay = layout_of(model)
+    lay = m.layout
     if lay.unembed is None or (lay.tied and bool(u.any())):
-        raise ValueError("a logit shift needs an unembedding of its own (tied: only its bias)")
-    new = copy.deepcopy(model)
-    head = new.get_submodule(lay.unembed.path)
-    with torch.no_grad():
-        head.weight.add_(u.to(head.weight.dtype)[None, :])
-        if c:
-            head.bias.add_(c)
-    return new
+        raise AttnidError("a logit shift needs an unembedding of its own (tied: only its bias)")
+    W = m.tensors[f"{lay.unembed.path}.weight"]
+    out = {} if lay.tied else {f"{lay.unembed.path}.weight": W + u.to(W.dtype)[None, :]}
+    if c:
+        out[f"{lay.unembed.path}.bias"] = m.bias(lay.unembed) + c
+    return m.replace(out)
 
 
-def _padding(model: nn.Module):
-    lay = layout_of(model)
-    if lay.padding_idx is None:
-        raise ValueError("only RoBERTa's positions start after padding_idx")
-    return lay, lay.padding_idx
+def _padding(m: ModelTensors) -> int:
+    if m.layout.padding_idx is None:
+        raise AttnidError("only RoBERTa's positions start after padding_idx")
+    return m.layout.padding_idx
 
 
-def padding_translation(model: nn.Module, u: torch.Tensor) -> nn.Module:
+@on_modules
+def padding_translation(m: ModelTensors, u: torch.Tensor) -> ModelTensors:
     """Token row ``padding_idx`` ``+ u``, position row ``padding_idx`` ``- u``. A tied pad row is
     also a decoder row: then ``u`` must be ``c / g`` (``g``: the head LayerNorm's gain, bias
     ``b``), whose logit change ``c sum(b / g)`` the pad's decoder bias takes back."""
-    lay, pad = _padding(model)
-    new = copy.deepcopy(model)
-    tok, pos = (new.get_submodule(lay.tables[i]).weight for i in (0, 1))
+    pad = _padding(m)
+    lay = m.layout
+    (n0, tok), (n1, pos) = _table(m, 0), _table(m, 1)
     u = u.to(tok.dtype)
-    with torch.no_grad():
-        if lay.tied:
-            head_norm = new.get_submodule(lay.norms[-1].path)
-            g, b = head_norm.weight, head_norm.bias
-            c = float(u @ (1 / g)) / float((1 / g) @ (1 / g))
-            if float((u - c / g).norm()) > 1e-12 * float(u.norm()):
-                raise ValueError("a tied pad row moves only along 1 / g of the head's LayerNorm")
-            new.get_submodule(lay.unembed.path).bias[pad] -= c * (b / g).sum()
-        tok[pad] += u
-        pos[pad] -= u
-    return new
+    out: dict[str, torch.Tensor] = {}
+    if lay.tied:
+        head_norm = lay.norms[-1]
+        g, b = m.gain(head_norm), m.norm_bias(head_norm)
+        c = float(u @ (1 / g)) / float((1 / g) @ (1 / g))
+        if float((u - c / g).norm()) > 1e-12 * float(u.norm()):
+            raise AttnidError("a tied pad row moves only along 1 / g of the head's LayerNorm")
+        bias = m.bias(lay.unembed).clone()
+        bias[pad] -= c * (b / g).sum()
+        out[f"{lay.unembed.path}.bias"] = bias
+    tok, pos = tok.clone(), pos.clone()
+    tok[pad] += u
+    pos[pad] -= u
+    out.update({n0: tok, n1: pos})
+    return m.replace(out)
 
 
-def unreachable_positions_move(model: nn.Module, delta: torch.Tensor) -> nn.Module:
+@on_modules
+def unreachable_positions_move(m: ModelTensors, delta: torch.Tensor) -> ModelTensors:
     """Position rows ``0 .. padding_idx - 1`` plus ``delta`` (``[padding_idx, d]``)."""
-    lay, pad = _padding(model)
-    new = copy.deepcopy(model)
-    pos = new.get_submodule(lay.tables[1]).weight
-    with torch.no_grad():
-        pos[:pad] += delta.to(pos.dtype)
-    return new
+    pad = _padding(m)
+    name, pos = _table(m, 1)
+    pos = pos.clone()
+    pos[:pad] += delta.to(pos.dtype)
+    return m.replace({name: pos})

@@ -8,12 +8,17 @@ Linear maps are handled as ``[out, in]`` matrices whatever their storage (GPT-2'
 
 from __future__ import annotations
 
+import functools
+import json
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, replace
+from typing import Any, Literal
 
 import torch
 from torch import nn
+
+from attnid.adapters.base import new_hf_model
+from attnid.errors import AttnidError
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,7 @@ class Norm:
     readers: tuple[Lin, ...]
     absorb: Lin | None = None
     gain: bool = True
+    offset: float = 0.0  # 1 where the gain is stored as ``1 + w`` (Gemma's RMSNorm)
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,9 @@ class Layout:
     post: bool = False  # post-LN (BERT): the stream itself is a norm's output
     padding_idx: int | None = None  # RoBERTa: position rows start after it
     attn_norms: tuple[str, ...] = ()  # per layer: the norm attention reads (default norms[2 i])
+    final: Norm | None = None  # the last norm, tied or bare included (readers: the head, if any)
+    gates: tuple[Lin | None, ...] = ()  # per layer: a gated MLP's gate (fused: its rows)
+    layers: tuple[str, ...] = ()  # per layer: the prefix of its tensor names ("model.layers.3.")
 
     def attn_norm(self, layer: int) -> str:
         return self.attn_norms[layer] if self.attn_norms else self.norms[2 * layer].path
@@ -115,6 +124,12 @@ def _act(model: nn.Module) -> str:
     return "relu" if act == "relu" else "other"
 
 
+def _final(path: str, unembed: Lin | None, tied: bool) -> Norm:
+    """The last norm: read by the head (a tied head cannot absorb its gain), or by nothing
+    (a bare model returns its output)."""
+    return Norm(path, () if unembed is None else (unembed,), gain=unembed is not None and not tied)
+
+
 def _gpt2(model: nn.Module) -> Layout:
     b = _base(model, "transformer")
     n = model.config.n_layer
@@ -128,7 +143,8 @@ def _gpt2(model: nn.Module) -> Layout:
                   tuple((Lin(f"{p}attn.c_proj", True), Lin(f"{p}mlp.c_proj", True)) for p in L),
                   False, (f"{b}wte", f"{b}wpe"),
                   tuple((Lin(f"{p}mlp.c_fc", True), Lin(f"{p}mlp.c_proj", True)) for p in L),
-                  _act(model), unembed, tied)
+                  _act(model), unembed, tied, final=_final(f"{b}ln_f", unembed, tied),
+                  layers=tuple(L))
 
 
 def _neox(model: nn.Module) -> Layout:
@@ -144,7 +160,8 @@ def _neox(model: nn.Module) -> Layout:
                   tuple((Lin(f"{p}attention.dense"), Lin(f"{p}mlp.dense_4h_to_h")) for p in L),
                   bool(model.config.use_parallel_residual), (f"{b}embed_in",),
                   tuple((Lin(f"{p}mlp.dense_h_to_4h"), Lin(f"{p}mlp.dense_4h_to_h")) for p in L),
-                  _act(model), unembed, tied)
+                  _act(model), unembed, tied, final=_final(f"{b}final_layer_norm", unembed, tied),
+                  layers=tuple(L))
 
 
 def _llama(model: nn.Module) -> Layout:
@@ -160,7 +177,8 @@ def _llama(model: nn.Module) -> Layout:
                   tuple((Lin(f"{p}self_attn.o_proj"), Lin(f"{p}mlp.down_proj")) for p in L),
                   False, (f"{b}embed_tokens",),
                   tuple((Lin(f"{p}mlp.up_proj"), Lin(f"{p}mlp.down_proj")) for p in L),
-                  "gated", unembed, tied)
+                  "gated", unembed, tied, final=_final(f"{b}norm", unembed, tied),
+                  gates=tuple(Lin(f"{p}mlp.gate_proj") for p in L), layers=tuple(L))
 
 
 def _falcon(model: nn.Module) -> Layout:
@@ -187,7 +205,8 @@ def _falcon(model: nn.Module) -> Layout:
                   tuple((Lin(f"{p}self_attention.dense"), Lin(f"{p}mlp.dense_4h_to_h")) for p in L),
                   bool(c.parallel_attn or c.new_decoder_architecture), (f"{b}word_embeddings",),
                   tuple((Lin(f"{p}mlp.dense_h_to_4h"), Lin(f"{p}mlp.dense_4h_to_h")) for p in L),
-                  _act(model), unembed, tied, attn_norms=tuple(attn))
+                  _act(model), unembed, tied, attn_norms=tuple(attn),
+                  final=_final(f"{b}ln_f", unembed, tied), layers=tuple(L))
 
 
 def _phi3(model: nn.Module) -> Layout:
@@ -205,7 +224,8 @@ def _phi3(model: nn.Module) -> Layout:
                   False, (f"{b}embed_tokens",),
                   tuple((Lin(f"{p}mlp.gate_up_proj", rows=(f, 2 * f)), Lin(f"{p}mlp.down_proj"))
                         for p in L),
-                  "gated", unembed, tied)
+                  "gated", unembed, tied, final=_final(f"{b}norm", unembed, tied),
+                  gates=tuple(Lin(f"{p}mlp.gate_up_proj", rows=(0, f)) for p in L), layers=tuple(L))
 
 
 def _bert(model: nn.Module, base: str = "bert", head: tuple[str, str, str] = (
@@ -238,7 +258,8 @@ def _bert(model: nn.Module, base: str = "bert", head: tuple[str, str, str] = (
                   tuple((Lin(f"{p}attention.output.dense"), Lin(f"{p}output.dense")) for p in L),
                   False, tables,
                   tuple((Lin(f"{p}intermediate.dense"), Lin(f"{p}output.dense")) for p in L),
-                  _act(model), unembed, tied, post=True, padding_idx=pad)
+                  _act(model), unembed, tied, post=True, padding_idx=pad,
+                  final=norms[-1] if unembed is not None else Norm(before, (), gain=False), layers=tuple(L))
 
 
 def _roberta(model: nn.Module) -> Layout:
@@ -252,18 +273,40 @@ FAMILIES = {"gpt2": _gpt2, "gpt_neox": _neox, "llama": _llama, "mistral": _llama
 
 
 def layout_of(model: nn.Module) -> Layout:
-    """The layout of a Hugging Face model (GPT-2, GPT-NeoX, Llama/Mistral/Qwen2, BERT)."""
+    """The layout of a Hugging Face model (GPT-2, GPT-NeoX, Llama/Mistral/Qwen2/Qwen3/Gemma,
+    Falcon, Phi-3, BERT, RoBERTa); works on a model built on the meta device."""
     kind = model.config.model_type
     if kind not in FAMILIES:
-        raise ValueError(f"no whole-model transforms for {kind!r} (have: {', '.join(FAMILIES)})")
-    return FAMILIES[kind](model)
+        raise AttnidError(f"no whole-model transforms for {kind!r} (have: {', '.join(FAMILIES)})")
+    lay = FAMILIES[kind](model)
+    off = lambda n: replace(n, offset=gain_offset(model, n.path))  # noqa: E731
+    return replace(lay, norms=tuple(off(n) for n in lay.norms),
+                   final=None if lay.final is None else off(lay.final))
+
+
+@functools.cache
+def _meta(config_json: str) -> tuple[Layout, tuple[str, ...]]:
+    with torch.device("meta"):
+        model = new_hf_model(json.loads(config_json), head=True)
+    return layout_of(model), tuple(model.state_dict())
+
+
+def layout_for(config: dict[str, Any]) -> Layout:
+    """The layout of the architecture a config names (its class built on the meta device: no
+    memory, no weights), for tensors named as that class's ``state_dict``."""
+    return _meta(json.dumps(config, sort_keys=True, default=str))[0]
+
+
+def state_names(config: dict[str, Any]) -> tuple[str, ...]:
+    """The ``state_dict`` names of the architecture a config names (tied names included)."""
+    return _meta(json.dumps(config, sort_keys=True, default=str))[1]
 
 
 def norm_by_path(lay: Layout, path: str) -> Norm:
     for n in lay.norms:
         if n.path == path:
             return n
-    raise ValueError(f"{path!r} is not a residual norm with readers here "
+    raise AttnidError(f"{path!r} is not a residual norm with readers here "
                      f"(have: {', '.join(n.path for n in lay.norms)})")
 
 

@@ -1,106 +1,137 @@
 """Symmetries of the residual stream (docs/theory.md §13.5, §13.6, §13.9).
 
 * :func:`residual_rotation`: the stream ``x -> x Q`` (``Q`` orthogonal; fixing all-ones under
-  LayerNorm, which commutes only with such ``Q``); untied unembedding only;
+  LayerNorm, which commutes only with such ``Q``); an untied unembedding, or a tied one whose
+  final norm has a uniform gain (which commutes with every ``Q``);
 * :func:`ones_shift` (LayerNorm): a write into the stream plus a multiple of all-ones
   (``W -> W + 1 a^T``, bias ``+ c 1``): every reader sees the stream through a LayerNorm;
 * :func:`table_shift` (LayerNorm): each row of an embedding table plus ``c_r 1``;
 * :func:`parallel_bias_transfer`: a parallel layer's two output biases trade ``delta``.
+
+Each takes a `ModelTensors` (or a Hugging Face model, see `attnid.whole.transforms.state`).
 """
 
 from __future__ import annotations
 
-import copy
-
 import torch
-from torch import nn
 
-from attnid.whole.transforms.layout import get_b, get_w, layout_of, norm_params, set_b_, set_w_
+from attnid.errors import AttnidError
+from attnid.whole.transforms.layout import Layout
+from attnid.whole.transforms.state import ModelTensors, on_modules, weight_change
 
 
-def residual_rotation(model: nn.Module, Q: torch.Tensor) -> nn.Module:
+def rotation_refusal(lay: Layout, final_gain: torch.Tensor | None = None) -> str | None:
+    """Why the residual stream of this layout cannot rotate (None when it can): post-LN, a
+    bare model's hidden states, a tied head behind a non-uniform final gain."""
+    if lay.post:
+        return ("post-LN: the residual stream is a LayerNorm's output, whose gain does not "
+                "commute with rotations")
+    if lay.unembed is None:
+        return "a bare model returns its hidden states in fixed coordinates"
+    if lay.tied and final_gain is not None:
+        spread = float((final_gain - final_gain.mean()).abs().max())
+        if spread > 1e-12 * max(float(final_gain.abs().max()), 1e-300):
+            return (f"tied embeddings: the final norm {lay.final.path}'s gain is not uniform "
+                    f"(spread {spread:.2e}), so it does not commute with a rotation")
+    return None
+
+
+def check_orthogonal(Q: torch.Tensor, lay: Layout, d: int) -> torch.Tensor:
+    """``Q`` as float64 after checking it is orthogonal ``[d, d]`` (and fixes all-ones under
+    LayerNorm)."""
+    Q = Q.to(torch.float64)
+    eye = torch.eye(d, dtype=torch.float64)
+    if tuple(Q.shape) != (d, d) or float((Q.T @ Q - eye).abs().max()) > 1e-10:
+        raise AttnidError(f"the residual rotation must be an orthogonal {d} x {d} matrix")
+    ones = torch.ones(d, dtype=torch.float64)
+    if lay.norm == "layer" and float((Q @ ones - ones).abs().max()) > 1e-10:
+        raise AttnidError("under LayerNorm the rotation must fix all-ones (Q 1 = 1)")
+    return Q
+
+
+@on_modules
+def residual_rotation(m: ModelTensors, Q: torch.Tensor) -> ModelTensors:
     """``x -> x Q`` on the residual stream (``Q`` orthogonal ``[d, d]``; ``Q 1 = 1`` under
     LayerNorm). The norms' gains stay: a reader ``W`` of a norm with gain ``g`` becomes
     ``W diag(g) Q diag(1/g)`` and the norm's bias ``b -> g * (Q^T (b / g))``; writers ``Q^T W``,
-    their biases and the embedding rows rotate. Returns a new model."""
-    lay = layout_of(model)
-    if lay.post:
-        raise ValueError("post-LN: the stream is a LayerNorm's output, whose gain breaks rotations")
-    if lay.tied or lay.unembed is None:
-        raise ValueError("a tied unembedding (or a bare model's output) breaks residual rotations")
-    Q = Q.to(torch.float64)
-    ones = torch.ones(Q.shape[0], dtype=Q.dtype)
-    if lay.norm == "layer" and float((Q @ ones - ones).abs().max()) > 1e-10:
-        raise ValueError("under LayerNorm the rotation must fix all-ones (Q 1 = 1)")
-    new = copy.deepcopy(model)
+    their biases and the embedding rows rotate. A tied head behind a uniform final gain ``c 1``
+    rotates with its table (its LayerNorm bias ``-> Q^T b``)."""
+    lay = m.layout
+    final = lay.final if lay.final is not None and f"{lay.final.path}.weight" in m else None
+    why = rotation_refusal(lay, None if final is None else m.gain(final))
+    if why:
+        raise AttnidError(f"cannot rotate the residual stream: {why}")
+    Q = check_orthogonal(Q, lay, Q.shape[0])
+    out: dict[str, torch.Tensor] = {}
     for t in lay.tables:
-        E = new.get_submodule(t).weight
-        with torch.no_grad():
-            E.copy_(E @ Q.to(E.dtype))
+        if f"{t}.weight" in m:
+            E = m.tensors[f"{t}.weight"]
+            out[f"{t}.weight"] = E @ Q.to(E.dtype)
     for nm in lay.norms:
-        g, b = norm_params(new, nm.path)
+        if not m.complete([f"{nm.path}.weight", *(f"{r.path}.weight" for r in nm.readers)],
+                          f"rotating the readers of {nm.path}"):
+            continue
+        g, b = m.gain(nm), m.norm_bias(nm)
+        Qg = Q.to(g.dtype)
         for lin in nm.readers:
-            set_w_(new, lin, (get_w(new, lin) * g[None, :]) @ Q / g[None, :])
+            out.update(weight_change(lin, (m.weight(lin) * g[None, :]) @ Qg / g[None, :]))
         if b is not None:
-            with torch.no_grad():
-                b.copy_(g * (Q.T @ (b / g)))
+            out[f"{nm.path}.bias"] = g * (Qg.T @ (b / g))
+    if lay.tied and final is not None and m.norm_bias(final) is not None:
+        out[f"{final.path}.bias"] = Q.to(m.norm_bias(final).dtype).T @ m.norm_bias(final)
     for lin in (x for layer in lay.writers for x in layer):
-        set_w_(new, lin, Q.T @ get_w(new, lin))
-        c = get_b(new, lin)
+        if not m.has(lin):
+            continue
+        W = m.weight(lin)
+        out.update(weight_change(lin, Q.to(W.dtype).T @ W))
+        c = m.bias(lin)
         if c is not None:
-            set_b_(new, lin, Q.T @ c)
-    return new
+            out[f"{lin.path}.bias"] = Q.to(c.dtype).T @ c
+    return m.replace(out)
 
 
-def _ones(model: nn.Module, d: int) -> torch.Tensor:
-    return torch.ones(d, dtype=next(model.parameters()).dtype)
-
-
-def ones_shift(model: nn.Module, layer: int, which: int, a: torch.Tensor, c: float = 0.0
-               ) -> nn.Module:
+@on_modules
+def ones_shift(m: ModelTensors, layer: int, which: int, a: torch.Tensor, c: float = 0.0
+               ) -> ModelTensors:
     """LayerNorm models: writer ``which`` (0 attention, 1 MLP) of ``layer``:
-    ``W -> W + 1 a^T`` (``a`` ``[in]``), bias ``+ c 1``. Returns a new model."""
-    lay = layout_of(model)
+    ``W -> W + 1 a^T`` (``a`` ``[in]``), bias ``+ c 1``."""
+    lay = m.layout
     if lay.norm != "layer":
-        raise ValueError("all-ones shifts need LayerNorm")
-    new = copy.deepcopy(model)
+        raise AttnidError("all-ones shifts need LayerNorm")
     lin = lay.writers[layer][which]
-    W = get_w(new, lin)
-    one = _ones(new, W.shape[0])
-    set_w_(new, lin, W + one[:, None] * a.to(W.dtype)[None, :])
+    W = m.weight(lin)
+    one = torch.ones(W.shape[0], dtype=W.dtype)
+    out = weight_change(lin, W + one[:, None] * a.to(W.dtype)[None, :])
     if c:
-        b = get_b(new, lin)
+        b = m.bias(lin)
         if b is None:
-            raise ValueError(f"{lin.path} has no bias")
-        set_b_(new, lin, b + c * one)
-    return new
+            raise AttnidError(f"{lin.path} has no bias")
+        out[f"{lin.path}.bias"] = b + c * one
+    return m.replace(out)
 
 
-def table_shift(model: nn.Module, table: int, c: torch.Tensor) -> nn.Module:
+@on_modules
+def table_shift(m: ModelTensors, table: int, c: torch.Tensor) -> ModelTensors:
     """LayerNorm models: row ``r`` of embedding table ``table`` plus ``c[r] 1``. A tied token
     table is also the unembedding: only a constant ``c`` keeps the log-probabilities."""
-    lay = layout_of(model)
+    lay = m.layout
     if lay.norm != "layer":
-        raise ValueError("all-ones shifts need LayerNorm")
+        raise AttnidError("all-ones shifts need LayerNorm")
     if table == 0 and lay.tied and float((c - c[0]).abs().max()) > 0:
-        raise ValueError("a tied token table takes only a constant shift")
-    new = copy.deepcopy(model)
-    E = new.get_submodule(lay.tables[table]).weight
-    with torch.no_grad():
-        E.add_(c.to(E.dtype)[:, None])
-    return new
+        raise AttnidError("a tied token table takes only a constant shift")
+    E = m.tensors[f"{lay.tables[table]}.weight"]
+    return m.replace({f"{lay.tables[table]}.weight": E + c.to(E.dtype)[:, None]})
 
 
-def parallel_bias_transfer(model: nn.Module, layer: int, delta: torch.Tensor) -> nn.Module:
+@on_modules
+def parallel_bias_transfer(m: ModelTensors, layer: int, delta: torch.Tensor) -> ModelTensors:
     """Parallel layout: attention output bias ``+ delta``, MLP output bias ``- delta``."""
-    lay = layout_of(model)
+    lay = m.layout
     if not lay.parallel:
-        raise ValueError("only a parallel layer adds both outputs to one stream")
-    new = copy.deepcopy(model)
+        raise AttnidError("only a parallel layer adds both outputs to one stream")
     att, mlp = lay.writers[layer]
-    ba, bm = get_b(new, att), get_b(new, mlp)
+    ba, bm = m.bias(att), m.bias(mlp)
     if ba is None or bm is None:
-        raise ValueError("both output biases are needed")
-    set_b_(new, att, ba + delta.to(ba.dtype))
-    set_b_(new, mlp, bm - delta.to(bm.dtype))
-    return new
+        raise AttnidError("both output biases are needed")
+    return m.replace({f"{att.path}.bias": ba + delta.to(ba.dtype),
+                      f"{mlp.path}.bias": bm - delta.to(bm.dtype)})

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from attnid.adapters.registry import adapter_for
+from attnid.errors import AttnidError
 from attnid.structure import function_kind
 from attnid.symmetry.tangent import tangent_basis
 from attnid.weights import AttentionWeights
@@ -81,7 +82,7 @@ def offset_directions(model: nn.Module, config: dict[str, Any]) -> list[torch.Te
                 kappa = torch.zeros(spec.n_kv_heads, spec.head_dim, dtype=torch.float64)
                 kappa[gi, j] = 1.0
                 out.append(tangent(model, lambda m, t, i=i, k=kappa: A.key_offset(m, i, t * k)))
-        with contextlib.suppress(ValueError):  # no value offset reaches all-ones here
+        with contextlib.suppress(AttnidError):  # no value offset reaches all-ones here
             out.append(tangent(model, lambda m, t, i=i: A.value_offset(m, i, t)))
     return out
 

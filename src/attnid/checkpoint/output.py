@@ -1,0 +1,99 @@
+"""Writing a checkpoint the checkpoint tools produce: OUT_DIR checked before any work, the
+output written into a temporary sibling, verified, and only then moved into place; the other
+files of the model directory (config, tokenizer) copied along. The input is never modified."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from attnid.adapters.base import hf_model_class
+from attnid.adapters.config import model_path
+from attnid.errors import AttnidError, require
+from attnid.io import weight_files
+
+
+def check_out_dir(in_dir: str | Path, out_dir: str | Path, force: bool) -> tuple[Path, Path]:
+    """``(IN_DIR, OUT_DIR)`` resolved, refused before any work when writing OUT_DIR could touch
+    the input or replace something without ``force``."""
+    src, dst = model_path(in_dir).resolve(), Path(out_dir).resolve()
+    if not src.is_dir():
+        raise AttnidError(f"{in_dir} is not a directory")
+    if dst == src or dst in src.parents or src in dst.parents:
+        raise AttnidError("OUT_DIR must be neither IN_DIR nor inside it nor around it "
+                          "(the input is never modified)")
+    if dst.exists() and not dst.is_dir():
+        raise AttnidError(f"{out_dir} exists and is not a directory")
+    if dst.exists() and any(dst.iterdir()) and not force:
+        raise AttnidError(f"{out_dir} exists and is not empty (use --force to replace it)")
+    return src, dst
+
+
+@contextmanager
+def staged(dst: Path, src: Path, weights: set[str]) -> Iterator[Path]:
+    """A fresh temporary sibling of ``dst`` holding ``src``'s other files: the caller writes and
+    verifies the weights there; on success it replaces ``dst``, on any failure it is removed."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.parent / f".{dst.name}.{secrets.token_hex(4)}.tmp"
+    tmp.mkdir()  # mode 0o777 less the umask, like any folder the user creates
+    try:
+        copy_other_files(src, tmp, weights)
+        yield tmp
+        if dst.exists():
+            shutil.rmtree(dst)
+        os.replace(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def copy_other_files(src: Path, dst: Path, weights: set[str]) -> None:
+    """Everything in the model directory but its weight files (config, tokenizer, ...)."""
+    for item in src.rglob("*"):
+        rel = item.relative_to(src)
+        if item.is_dir() or (len(rel.parts) == 1 and item.name in weights):
+            continue
+        target = dst / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(item, target)
+
+
+def end_to_end(src: Path, out: Path, config: dict[str, Any]) -> float:
+    """Load both checkpoints with transformers, run probe tokens, return the relative difference."""
+    require("transformers", "hf")
+    import transformers  # optional heavy dependency: loaded only here
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    loader = hf_model_class(config)  # the one resolver of an architecture to its class
+    try:  # transformers reading the user's checkpoint: whatever it raises is its refusal
+        a, info = loader.from_pretrained(src, output_loading_info=True)
+    except Exception as e:
+        raise AttnidError(f"{src / 'config.json'}: transformers cannot load this checkpoint "
+                          f"({type(e).__name__}: {e}); nothing was written") from None
+    if info["missing_keys"]:  # it would fill them at random, and the outputs could not agree
+        missing = sorted(info["missing_keys"], key=lambda k: (k.startswith("lm_head."), k))  # tied last
+        files = ", ".join(str(p) for p in weight_files(src))
+        raise AttnidError(f"{files}: transformers finds no stored tensor for {missing[0]}"
+                          + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+                          + f" of {loader.__name__}; nothing was written")
+    try:
+        a = a.eval()
+        b = loader.from_pretrained(out).eval()
+    except Exception as e:
+        raise AttnidError(f"refused: transformers could not load the rewritten checkpoint: {e}") from None
+    vocab = int(config.get("vocab_size", 100))
+    ids = torch.randint(0, min(vocab, 1000), (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ya = a(input_ids=ids)
+        yb = b(input_ids=ids)
+    ta = ya.logits if hasattr(ya, "logits") and ya.logits is not None else ya.last_hidden_state
+    tb = yb.logits if hasattr(yb, "logits") and yb.logits is not None else yb.last_hidden_state
+    return float((ta - tb).double().norm() / ta.double().norm())

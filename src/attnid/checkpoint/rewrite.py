@@ -1,0 +1,200 @@
+"""`attnid rewrite`: the function-preserving rewrites quantization and merging tools apply, on a
+real checkpoint, verified before anything is written.
+
+Steps (any subset; docs/theory.md §13): fold the norm gains into their readers; rotate the
+residual stream (QuaRot's and SpinQuant's R1: a Hadamard matrix or a random rotation; under
+LayerNorm one that fixes all-ones); rotate each key/value group's values (R2, value biases
+included); transform each group's queries and keys inside the RoPE commutant (FPTQuant-style
+per-plane scaled rotations, any invertible map on pass-through dims); scale MLP neurons (ReLU:
+positive; gated: the up half); permute MLP neurons, and heads within and across key/value
+groups. The random parts are drawn from ``seed`` into one
+`attnid.whole.transforms.element.GroupElement`, applied with
+`attnid.whole.transforms.apply_element` one unit (a layer) at a time (float64; float32 for
+bfloat16 and float16 checkpoints, whose rounding is a thousand times coarser) and stored in the
+checkpoint's dtype, shard by shard (`attnid.io.write_streaming`).
+
+What is no symmetry of the architecture is refused before any work, in one line: a residual
+rotation of a post-LN model (BERT), of a bare model, or of a tied model whose final gain is not
+uniform (fold it first: it cannot fold into a tied head); Q/K transforms under QK-norm; MLP
+scaling of GELU/SiLU MLPs. The output goes to a temporary sibling of OUT_DIR and is verified by
+`attnid diff` against the input (the whole-model invariants, every layer, at the dtype's
+rounding: certified) and, for checkpoints up to 2 GiB, end to end with transformers; only then
+is it moved into place. The input is never modified.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from attnid.checkpoint.load import Checkpoint, open_checkpoint
+from attnid.checkpoint.output import check_out_dir, end_to_end, staged
+from attnid.checkpoint.units import Units, open_units
+from attnid.errors import AttnidError
+from attnid.io import DTYPES, write_streaming
+from attnid.progress import Progress
+from attnid.testing import tolerance
+
+Rotation = Literal["hadamard", "random"]
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Which rewrites to apply (each random part drawn from ``seed``)."""
+
+    fold_norms: bool = False
+    rotate_residual: Rotation | None = None
+    rotate_values: Rotation | None = None
+    qk_planes: bool = False
+    scale_mlp: bool = False
+    permute_mlp: bool = False
+    permute_heads: bool = False
+    seed: int = 0
+
+    def any(self) -> bool:
+        return any(v for k, v in asdict(self).items() if k != "seed")
+
+
+def draw(units: Units, recipe: Recipe):
+    """The group element of ``recipe`` for this checkpoint (refusing what is no symmetry)."""
+    from attnid.whole.transforms.element import GroupElement, LayerElement
+    from attnid.whole.transforms.orthogonal import (
+        fixing_ones,
+        hadamard,
+        random_commutant,
+        random_head_permutation,
+        random_orthogonal,
+        random_rotation_fixing_ones,
+    )
+    from attnid.whole.transforms.residual import rotation_refusal
+
+    lay, ck = units.layout, units.ck
+    gen = torch.Generator().manual_seed(recipe.seed)
+    specs = ck.specs
+    Q = None
+    if recipe.rotate_residual:
+        final = None
+        if lay.final is not None and f"{lay.final.path}.weight" in units.to_ck:
+            final = ck.tensor(units.to_ck[f"{lay.final.path}.weight"]).double() + lay.final.offset
+        why = rotation_refusal(lay, final)
+        if why:
+            raise AttnidError(f"--rotate-residual: {why}")
+        d = specs[0].d_model
+        layer_norm = lay.norm == "layer"
+        if recipe.rotate_residual == "hadamard":
+            Q = fixing_ones(hadamard(d)) if layer_norm else hadamard(d)
+        else:
+            Q = random_rotation_fixing_ones(d, gen) if layer_norm else random_orthogonal(d, gen)
+    if recipe.qk_planes and any(s.qk_norm != "none" for s in specs):
+        raise AttnidError("--qk-planes: under QK-norm the queries and keys are normalised per head, "
+                          "so only the norm gains trade (no Q/K transform is a symmetry)")
+    if recipe.scale_mlp and lay.mlp == "other":
+        raise AttnidError("--scale-mlp: only ReLU and gated MLPs scale per neuron (GELU and SiLU are "
+                          "not homogeneous)")
+    layers = []
+    for i, s in enumerate(specs):
+        f = ck.info(units.to_ck[f"{lay.mlps[i][1].path}.weight"]).shape[-1]  # down: [d, f]
+        if lay.mlps[i][1].conv1d:
+            f = ck.info(units.to_ck[f"{lay.mlps[i][1].path}.weight"]).shape[0]
+        layers.append(LayerElement(
+            heads=random_head_permutation(s, gen) if recipe.permute_heads else None,
+            qk=random_commutant(s, gen) if recipe.qk_planes else None,
+            vo=_values(recipe.rotate_values, s, gen),
+            neurons=torch.randperm(f, generator=gen) if recipe.permute_mlp else None,
+            mlp=torch.exp(0.5 * torch.randn(f, generator=gen, dtype=torch.float64))
+            if recipe.scale_mlp else None))
+    return GroupElement(rotation=Q, layers=tuple(layers))
+
+
+def _values(kind: Rotation | None, s, gen: torch.Generator) -> torch.Tensor | None:
+    """R2: one orthogonal ``[dv, dv]`` per key/value group (Hadamard: the same for all)."""
+    from attnid.whole.transforms.orthogonal import hadamard, random_orthogonal
+
+    if kind is None:
+        return None
+    if kind == "hadamard":
+        return hadamard(s.v_head_dim).expand(s.n_kv_heads, -1, -1).clone()
+    return torch.stack([random_orthogonal(s.v_head_dim, gen) for _ in range(s.n_kv_heads)])
+
+
+def rewrite(in_dir: str | Path, out_dir: str | Path, recipe: Recipe, *, force: bool = False,
+            end_to_end_max_bytes: int = 2 * 1024**3, progress: Progress | None = None) -> dict[str, Any]:
+    """Rewrite a checkpoint directory by ``recipe``; returns the report. See the module."""
+    start = time.perf_counter()
+    if not recipe.any():
+        raise AttnidError("nothing to do: give at least one of --fold-norms, --rotate-residual, "
+                          "--rotate-values, --qk-planes, --scale-mlp, --permute-mlp, --permute-heads")
+    src, dst = check_out_dir(in_dir, out_dir, force)
+    ck = open_checkpoint(src, purpose="rewrite")
+    units = open_units(ck)
+    element = draw(units, recipe)
+    shown = progress if progress is not None else Progress(enabled=False)
+    from attnid.checkpoint.diff import diff  # the verification: the whole-model invariants
+
+    with staged(dst, ck.root, {f.path.name for f in ck.files}) as tmp:
+        _write(ck, units, recipe, element, tmp, shown)
+        shown.line("verifying: attnid diff against the input")
+        check = diff(ck, open_checkpoint(tmp, purpose="rewrite"))
+        if not check["certified"]:
+            b = check["break"]
+            where = "outside the layers" if b["layer"] is None else f"layer {b['layer']}"
+            raise AttnidError(f"refused: the rewritten checkpoint is not certified ({where}, {b['tensor']}: "
+                              f"residual {b['residual']:.2e}); nothing was written")
+        e2e = None
+        if sum(f.path.stat().st_size for f in ck.files) <= end_to_end_max_bytes:
+            e2e = end_to_end(ck.root, tmp, ck.config)
+            if e2e > 10 * tolerance(ck.dtype()):
+                raise AttnidError(f"refused: the rewritten model's outputs differ by {e2e:.2e} "
+                                  "(relative); nothing was written")
+    worst = max([row["residual"] for row in check["layers"]] + [check["other"]["residual"]])
+    return {"architecture": ck.adapter.family, "layers": ck.n_layers,
+            "operations": {k: v for k, v in asdict(recipe).items() if k != "seed"}, "seed": recipe.seed,
+            "certified": True, "max_residual": worst, "tolerance": check["tolerance"],
+            "end_to_end_rel_diff": e2e, "seconds": time.perf_counter() - start, "out_dir": str(dst)}
+
+
+def _write(ck: Checkpoint, units: Units, recipe: Recipe, element, tmp: Path, progress: Progress) -> None:
+    """Every shard, its tensors in unit order; a unit is rewritten (float64) when its first
+    tensor is asked for and dropped once all its tensors are written."""
+    from attnid.whole.fit.fitter import compute_dtype
+    from attnid.whole.transforms.element import apply_element
+    from attnid.whole.transforms.norms import fold_norm_gains
+
+    unit_of = {c: units.unit_of[s] for s, c in units.to_ck.items()}
+    left = {u: sum(1 for c in unit_of if unit_of[c] == u) for u in range(units.count)}
+    cache: dict[int, dict[str, torch.Tensor]] = {}
+
+    cd = compute_dtype(ck.dtype())  # float64; float32 is ample for bfloat16/float16 outputs
+
+    def compute(u: int) -> dict[str, torch.Tensor]:
+        before = units.load(u, cd)
+        m = fold_norm_gains(before) if recipe.fold_norms else before
+        m = apply_element(m, element)
+        own = set(units.names(u))
+        progress.line(f"rewrote unit {u} of {units.count - 1}")
+        return {units.to_ck[n]: t for n, t in m.tensors.items() if n in own and t is not before.tensors[n]}
+
+    def produce(name: str) -> torch.Tensor:
+        if name not in unit_of:
+            return ck.tensor(name)  # no unit reads it: its stored bytes
+        u = unit_of[name]
+        if u not in cache:
+            cache[u] = compute(u)
+        new = cache[u].pop(name, None)
+        left[u] -= 1
+        if left[u] == 0:
+            del cache[u]
+        if new is None:
+            return ck.tensor(name)
+        return new.to(DTYPES[ck.info(name).dtype])
+
+    for f in ck.files:
+        names = sorted(f.names, key=lambda n: unit_of.get(n, -1))
+        entries = [(n, f.info(n).dtype, f.info(n).shape) for n in names]
+        write_streaming(tmp / f.path.name, entries, produce, f.metadata)
+
+

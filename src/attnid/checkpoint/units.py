@@ -1,0 +1,100 @@
+"""A checkpoint's tensors as `ModelTensors`, one *unit* at a time: the embedding tables, each
+layer (with the norms its readers read), then the rest (final norm, head). Every whole-model
+transform acts within a unit (a norm with its readers, a layer's attention or MLP, a table),
+or, for the residual rotation, on each unit alone; so a checkpoint of any size is rewritten or
+compared holding one unit (a layer) at a time.
+
+Names: the transformers class's ``state_dict`` names (its class built on the meta device),
+each mapped to the checkpoint's own name (`attnid.checkpoint.load.Checkpoint.resolve`: an
+outer prefix dropped, GPT-NeoX's ``embed_out``). A tied head stored once is simply absent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from attnid.checkpoint.load import Checkpoint
+from attnid.errors import AttnidError, require
+from attnid.whole.fit.source import assign_units, unit_extras
+from attnid.whole.transforms.layout import Layout
+from attnid.whole.transforms.state import ModelTensors
+
+
+@dataclass(frozen=True)
+class Units:
+    """A checkpoint as a `attnid.whole.fit.source.UnitSource`."""
+
+    ck: Checkpoint
+    layout: Layout
+    to_ck: dict[str, str]  # state_dict name -> checkpoint name (only those the checkpoint holds)
+    unit_of: dict[str, int]  # state_dict name -> 0 tables, 1..L layer, L + 1 the rest
+
+    @property
+    def config(self) -> dict:
+        return self.ck.config
+
+    @property
+    def count(self) -> int:
+        return len(self.layout.layers) + 2
+
+    def names(self, unit: int) -> list[str]:
+        """The ``state_dict`` names of a unit that the checkpoint holds."""
+        return [n for n, u in self.unit_of.items() if u == unit]
+
+    def load(self, unit: int, dtype: torch.dtype | None = None, *, check: bool = True) -> ModelTensors:
+        """A unit's tensors (with what it needs from another unit), floating ones in ``dtype``
+        (None: as stored); the checkpoint's NaN check applies unless ``check=False``."""
+        out = {}
+        for n in [*self.names(unit), *(x for x in unit_extras(self.layout, unit) if x in self.to_ck)]:
+            t = self.ck.tensor(self.to_ck[n], check=check)
+            out[n] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+        return ModelTensors(self.layout, out, self.ck.config)
+
+    def dtype(self) -> torch.dtype:
+        return self.ck.dtype()
+
+    def label(self, name: str) -> str:
+        return self.to_ck.get(name, name)
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        return None if name not in self.to_ck else self.ck.info(self.to_ck[name]).shape
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows of one tensor (only those are read from disk)."""
+        return self.ck.rows(self.to_ck[name], start, stop)
+
+
+def open_units(ck: Checkpoint) -> Units:
+    """The unit structure of an opened checkpoint (needs transformers for the layout)."""
+    require("transformers", "hf")
+    from attnid.whole.transforms.layout import layout_for, state_names
+
+    try:
+        lay = layout_for(ck.config)
+    except AttnidError:
+        raise
+    except Exception as e:  # transformers cannot build the class from this config
+        raise AttnidError(f"{ck.root}: transformers cannot build {ck.adapter.family} from its "
+                          f"config.json: {e}") from None
+    to_ck = {s: c for s in state_names(ck.config) if (c := ck.resolve(s)) is not None}
+    return Units(ck, lay, to_ck, assign_units(lay, to_ck))
+
+
+def fold_check(before: ModelTensors, after: ModelTensors, gen: torch.Generator) -> float:
+    """Largest relative change of a folded norm's readers' outputs on random normalised
+    inputs ``z``: ``W (g z + b)`` before, ``W' (z + b / g)`` after (rounding only)."""
+    worst = 0.0
+    for nm in before.layout.norms:
+        if f"{nm.path}.weight" not in before or after.tensors[f"{nm.path}.weight"] is \
+                before.tensors[f"{nm.path}.weight"]:
+            continue
+        g0, g1 = before.gain(nm), after.gain(nm)
+        b0, b1 = before.norm_bias(nm), after.norm_bias(nm)
+        z = torch.randn(8, g0.shape[0], generator=gen, dtype=torch.float64)
+        y0, y1 = z * g0 + (0 if b0 is None else b0), z * g1 + (0 if b1 is None else b1)
+        for lin in nm.readers:
+            o0, o1 = y0 @ before.weight(lin).T, y1 @ after.weight(lin).T
+            worst = max(worst, float((o1 - o0).norm() / o0.norm().clamp_min(1e-300)))
+    return worst

@@ -1,0 +1,401 @@
+"""Fit the whole-model group element that maps B onto A and measure what it leaves
+(docs/theory.md §13.19), one unit at a time:
+
+1. gauge-fix both models (`attnid.whole.fit.canonical`: folded norm gains, LayerNorm
+   centring, all-ones shifts, translations, logit shift, post-LN and parallel biases);
+2. the residual rotation by Procrustes on the gauge-fixed embedding and unembedding rows; when
+   the first layer then disagrees, a second rotation fitted on that layer's rows, and the one
+   more of the model agrees with is kept (a table rotated twice is then the table's fault);
+3. per layer, heads and neurons matched by linear assignment, the per-group Q/K and V/O
+   gauges and the MLP scales by least squares (`attnid.whole.fit.compare`);
+4. every gauge-fixed piece compared at the dtype's rounding, blamed on a stored tensor.
+
+`fit` returns the element (`attnid.whole.transforms.element.GroupElement`: what
+`attnid.whole.transforms.apply_element` applies to B), every residual in forward order and the
+distances per unit; `attnid.checkpoint.diff` reports it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+import attnid.whole.fit.canonical as C
+from attnid.errors import AttnidError
+from attnid.whole.fit.compare import Residual, UnitResult, compare_item, compare_unit
+from attnid.whole.fit.frame import Frame, probe_count, probes
+from attnid.whole.fit.rotation import procrustes, rows
+from attnid.whole.fit.source import UnitSource
+from attnid.whole.transforms.element import GroupElement, LayerElement
+from attnid.whole.transforms.residual import rotation_refusal
+from attnid.whole.transforms.state import ModelTensors
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """The rounding level a certified residual may reach for checkpoints stored in ``dtype``."""
+    return max(8 * torch.finfo(dtype).eps, 1e-13)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 for float32/float64 checkpoints; float32 is ample for bfloat16/float16."""
+    return torch.float32 if torch.finfo(dtype).eps > 1e-6 else torch.float64
+
+
+@dataclass(frozen=True)
+class Fit:
+    element: GroupElement
+    units: list[UnitResult]  # per unit: residuals (state_dict names), distances
+    raw: list[float]  # per unit: ||B - A|| over the stored tensors
+    tolerance: float
+    dtype: torch.dtype
+    probes: int | None  # None: exact (the whole stream)
+    rotation: str  # "fitted on ..." or why the stream is not rotated
+
+
+# ---- the rotation --------------------------------------------------------------------------------
+def _layer_rows(m: ModelTensors, layer: int, cd: torch.dtype) -> torch.Tensor | None:
+    """Gauge-fixed rows of a layer that live in the stream: its readers' rows and its writers'
+    columns (mixed by the layer's own gauges: a candidate fit only)."""
+    lay = m.layout
+    out: list[torch.Tensor] = []
+    for nm in lay.norms:
+        for r in nm.readers:
+            if r.path.startswith(lay.layers[layer]) and m.has(r):
+                out.append(C.reader(m, r, cd)[0])
+    for w in lay.writers[layer]:
+        W = m.weight(w).to(cd)
+        out.append((W - W.mean(0, keepdim=True) if lay.norm == "layer" else W).T)
+    return torch.cat([rows(x, x.shape[1] + ROWS_EXTRA) for x in out]) if out else None
+
+
+ROWS_EXTRA = 256  # rows beyond the width that a Procrustes fit reads from each table
+BLOCKS = 8  # contiguous blocks the rows are read in, spread over the table
+
+
+def sampled_rows(src: UnitSource, name: str, n: int, skip: int = 0) -> torch.Tensor:
+    """About ``n`` rows of a table, read as ``BLOCKS`` contiguous blocks spread over it (a
+    checkpoint reads only those bytes); rows below ``skip`` are left out."""
+    total = src.shape(name)[0]
+    if total - skip <= n:
+        return src.rows(name, skip, total)
+    size = -(-n // BLOCKS)
+    starts = torch.linspace(skip, total - size, BLOCKS).long().tolist()
+    return torch.cat([src.rows(name, s, s + size) for s in starts])
+
+
+def table_rows(src: UnitSource, cd: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Gauge-free stream rows for the rotation: token rows less their mean (a translation, a
+    uniform shift and all-ones shifts drop out) and unembedding rows with the final gain folded
+    in, less their mean (the logit shift drops out), ``P`` of them under LayerNorm; ``(E, U)``."""
+    lay = src.layout
+    d = src.shape(f"{lay.tables[0]}.weight")[1]
+    un = None if lay.unembed is None or lay.tied else f"{lay.unembed.path}.weight"
+    if un is not None and (src.shape(un) is None or lay.final is None):
+        un = None
+    n = 2 * d // (2 if un else 1) + ROWS_EXTRA  # about 2d rows in all: well conditioned
+    skip = 0 if lay.padding_idx is None else lay.padding_idx + 1
+
+    def prepare(X: torch.Tensor) -> torch.Tensor:
+        X = X.to(cd)
+        X = X - X.mean(0, keepdim=True)  # a row added to every row drops out
+        return X - X.mean(1, keepdim=True) if lay.norm == "layer" else X
+
+    E = prepare(sampled_rows(src, f"{lay.tables[0]}.weight", n, skip))
+    U = None
+    if un is not None:
+        g = src.rows(f"{lay.final.path}.weight", 0, d).to(cd) + lay.final.offset
+        U = prepare(sampled_rows(src, un, n) * g[None, :])
+    return E, U
+
+
+def _procrustes(pairs: list[tuple[torch.Tensor | None, torch.Tensor | None]], layer_norm: bool
+                ) -> torch.Tensor | None:
+    xa = [a for a, b in pairs if a is not None and b is not None]
+    xb = [b for a, b in pairs if a is not None and b is not None]
+    if not xa:
+        return None
+    return procrustes(torch.cat(xb), torch.cat(xa), layer_norm)
+
+
+# ---- one unit --------------------------------------------------------------------------------------
+class _Fitter:
+    def __init__(self, a: UnitSource, b: UnitSource, k: int | None, progress: Callable[[str], None] | None
+                 ) -> None:
+        self.a, self.b = a, b
+        self.lay = a.layout
+        self.L = len(self.lay.layers)
+        self.dtype = max(a.dtype(), b.dtype(), key=lambda t: torch.finfo(t).eps)
+        self.tol = tolerance(self.dtype)
+        self.cd = compute_dtype(self.dtype)
+        ref = _spec(a)
+        self.d = ref.d_model
+        kk = probe_count(self.d, max(ref.head_dim, ref.v_head_dim)) if k is None else k
+        self.Z = probes(self.d, kk, self.cd)
+        self.progress = progress or (lambda _: None)
+        self.blame: dict[int, dict[str, str]] = {}
+
+    def frames(self, Q: torch.Tensor | None) -> tuple[Frame, Frame, Frame]:
+        return Frame(self.Z, None, self.cd), Frame(self.Z, Q, self.cd), Frame(self.Z, None, self.cd)
+
+    def canonical(self, m: ModelTensors, unit: int, frame: Frame, ignore_norm: bool = False) -> C.Canonical:
+        if unit == 0:
+            return C.table_unit(m, frame)
+        if unit == self.L + 1:
+            return C.head_unit(m, frame, ignore_norm=ignore_norm)
+        i = unit - 1
+        return C.layer_unit(m, i, frame, self._blame(m, i), ignore_norm=ignore_norm)
+
+    def _blame(self, m: ModelTensors, i: int) -> dict[str, str]:
+        """AttentionWeights field -> the stored tensor holding it (the adapter's layout)."""
+        if i not in self.blame:
+            self.blame[i] = field_names(m, i)
+        return self.blame[i]
+
+    def compare(self, ma: ModelTensors, mb: ModelTensors, unit: int, Q: torch.Tensor | None,
+                with_fixed: bool = True, ignore_norm: bool = False) -> UnitResult:
+        fa, fb, f0 = self.frames(Q)
+        ca = self.canonical(ma, unit, fa, ignore_norm)
+        cb = self.canonical(mb, unit, fb, ignore_norm)
+        layer = 0 < unit <= self.L  # the rotation's share is reported per layer
+        c0 = self.canonical(mb, unit, f0, ignore_norm) if with_fixed and layer and Q is not None else None
+        r = compare_unit(ca, cb, c0, self.tol)
+        r.covered = ca.covered
+        return r
+
+
+def _spec(src: UnitSource):
+    from attnid.adapters.registry import adapter_for
+
+    return adapter_for(src.config).specs(src.config)[0]
+
+
+def field_names(m: ModelTensors, layer: int) -> dict[str, str]:
+    """Which stored tensor (``state_dict`` name) holds each `AttentionWeights` field of a layer:
+    found by writing a marked copy of a tiny layer of the same structure through the adapter."""
+    from dataclasses import replace
+
+    from attnid.weights import AttentionWeights
+
+    a = m.adapter()
+    spec = m.spec(layer)
+    p = m.attention_prefix(layer)
+    tiny = replace(spec, d_model=2)  # which tensor holds a field does not depend on the width
+    shapes = tiny.param_shapes()
+    out = {}
+    for field in shapes:
+        w = AttentionWeights(tiny, **{n: (torch.ones if n == field else torch.zeros)(s, dtype=torch.float64)
+                                      for n, s in shapes.items()})
+        hits = [n for n, t in a.write(w, layer).items() if bool(t.abs().sum() > 0)]
+        if hits:
+            out[field] = p + hits[0]
+    return out
+
+
+def fit(a: UnitSource, b: UnitSource, *, probe_k: int | None = None,
+        progress: Callable[[str], None] | None = None) -> Fit:
+    """The group element mapping B onto A and every residual it leaves (see the module)."""
+    if a.layout != b.layout:
+        raise AttnidError("the two models do not have the same layout")
+    f = _Fitter(a, b, probe_k, progress)
+    L = f.L
+    rot = _Rotations(f)
+    Q, how = rot.first()
+    f.progress(f"rotation: {how}")
+    # every unit once, the tables, the head and the first two layers first: when they
+    # disagree with the rotation, the candidate more of them agree with is kept
+    first = list(dict.fromkeys(u for u in (0, L + 1, 1, 2) if u <= L + 1))
+    results: dict[int, tuple[UnitResult, float, dict[str, torch.Tensor]]] = {}
+    for u in [*first, *(u for u in range(1, L + 1) if u not in first)]:
+        results[u] = _unit(f, u, Q, rot)
+        f.progress(f"unit {u} of {L + 1}: worst residual {_worst(results[u][0]):.2e}")
+        if u == first[-1] and Q is not None and any(_worst(results[x][0]) > f.tol for x in first):
+            Q2, how2 = rot.best(first, Q, how)
+            if Q2 is not Q:
+                Q, how = Q2, how2
+                f.progress(f"rotation: {how}")
+                results |= {x: _unit(f, x, Q, rot) for x in first}
+    broken = next((u for u in range(L + 2) if _worst(results[u][0]) > f.tol), None)
+    if broken is not None:  # only the first break is named: diagnose that unit alone
+        ma, mb = a.load(broken, check=False), b.load(broken, check=False)
+        results[broken] = (_diagnose(f, ma, mb, broken, Q, results[broken][0]), *results[broken][1:])
+    units = [results[u][0] for u in range(L + 2)]
+    gains: dict[str, torch.Tensor] = {}
+    for u in range(L + 2):
+        gains |= results[u][2]
+    layers = tuple(r.element or LayerElement() for r in units[1:L + 1])
+    element = GroupElement(rotation=Q, gains=gains, layers=layers)
+    return Fit(element, units, [results[u][1] for u in range(L + 2)], f.tol, f.dtype,
+               None if f.Z is None else f.Z.shape[1], how)
+
+
+def _unit(f: _Fitter, u: int, Q: torch.Tensor | None, rot: _Rotations
+          ) -> tuple[UnitResult, float, dict[str, torch.Tensor]]:
+    """One unit compared (leftover tensors and diagnoses included), its stored distance, and
+    the norm gauges it holds."""
+    a, b = f.a, f.b
+    ma, mb = a.load(u, check=False), b.load(u, check=False)  # every value reaches the distance
+    raw = _raw(a, ma, mb, u)
+    if not math.isfinite(raw):  # NaN or Inf somewhere in the unit: the checked load names it
+        a.load(u), b.load(u)
+        raise AttnidError(f"NaN or Inf in the tensors of unit {u}")
+    r = f.compare(ma, mb, u, Q)
+    r.residuals += _leftovers(f, a, ma, mb, u, r)
+    note = rot.note(ma, mb, r) if u == 0 else None
+    if note:  # the token table is where a forbidden rotation shows first
+        token = f"{f.lay.tables[0]}.weight"
+        r.residuals = [Residual(x.tensor, x.invariant, x.residual, x.head,
+                                note if x.residual > f.tol else None)
+                       for x in sorted(r.residuals, key=lambda x: x.tensor != token)]
+    return r, raw, _gains(ma, mb)
+
+
+def _worst(r: UnitResult) -> float:
+    return max((x.residual for x in r.residuals), default=0.0)
+
+
+def _passing(r: UnitResult, tol: float) -> int:
+    return sum(x.residual <= tol for x in r.residuals)
+
+
+class _Rotations:
+    """Candidate rotations: Procrustes on sampled rows of the token table and the unembedding
+    together (the default), on each alone, on layer 0's rows; the kept one is what most pieces
+    of the first units agree with (so a table rotated twice, or a head whose gain was not
+    folded, is the odd one out instead of spoiling the fit)."""
+
+    def __init__(self, f: _Fitter) -> None:
+        self.f = f
+        lay = f.lay
+        gains = []
+        for src in (f.a, f.b):
+            name = None if lay.final is None else f"{lay.final.path}.weight"
+            g = None if name is None or src.shape(name) is None else src.rows(name, 0, src.shape(name)[0])
+            gains.append(None if g is None else g.double() + lay.final.offset)
+        self.why = rotation_refusal(lay, gains[0]) or rotation_refusal(lay, gains[1])
+        ea, ua = table_rows(f.a, f.cd)
+        eb, ub = table_rows(f.b, f.cd)
+        self.E, self.U = (ea, eb), (ua, ub)
+        self.ln = lay.norm == "layer"
+        self.both = _procrustes([self.E, self.U], self.ln)
+
+    def first(self) -> tuple[torch.Tensor | None, str]:
+        if self.why:
+            return None, self.why
+        return self.both, "fitted on the embedding and unembedding rows"
+
+    def note(self, ma: ModelTensors, mb: ModelTensors, r: UnitResult) -> str | None:
+        """Where the stream may not rotate but B's tables are A's rotated: say so."""
+        f = self.f
+        if not self.why or self.both is None or _worst(r) <= f.tol:
+            return None
+        if _worst(f.compare(ma, mb, 0, self.both, with_fixed=False)) > f.tol:
+            return None
+        return f"B is A with its residual stream rotated, which is no symmetry here: {self.why}"
+
+    def best(self, units: list[int], Q: torch.Tensor, how: str) -> tuple[torch.Tensor, str]:
+        f = self.f
+        loaded = {u: (f.a.load(u), f.b.load(u)) for u in units}
+        cands = [(Q, how), (_procrustes([self.E], self.ln), "fitted on the embedding rows"),
+                 (_procrustes([self.U], self.ln), "fitted on the unembedding rows")]
+        if 1 in loaded:
+            rows_a, rows_b = (_layer_rows(m, 0, f.cd) for m in loaded[1])
+            cands.append((_procrustes([(rows_a, rows_b)], self.ln), "fitted on layer 0's rows"))
+        score = {}
+        for k, (R, _) in enumerate(cands):
+            if R is not None:
+                score[k] = sum(_passing(f.compare(*loaded[u], u, R, with_fixed=False), f.tol) for u in units)
+        k = max(score, key=lambda k: (score[k], -k))
+        return cands[k] if k else (Q, how)
+
+
+def _diagnose(f: _Fitter, ma: ModelTensors, mb: ModelTensors, u: int, Q: torch.Tensor | None,
+              r: UnitResult) -> UnitResult:
+    """The first break of a unit, when its readers agree once their norm is left out of both
+    models (readers compared as stored), is the norm's fault: its gain or bias changed without
+    the readers making up for it, or (same gain, B rotated) the gain was not folded into the
+    readers before the rotation (a non-uniform gain does not commute with it)."""
+    k = next((k for k, x in enumerate(r.residuals) if x.residual > f.tol), None)
+    if k is None or u == 0:
+        return r
+    plain = f.compare(ma, mb, u, Q, with_fixed=False, ignore_norm=True)
+    x = r.residuals[k]
+    nth = sum(y.invariant == x.invariant for y in r.residuals[:k])  # the same piece, left out norm
+    same = [y for y in plain.residuals if y.invariant == x.invariant]
+    if nth >= len(same) or same[nth].residual > f.tol:
+        return r
+    nm = _norm_of(f, ma, u, x.tensor)
+    if nm is None:
+        return r
+    ga, gb, ba, bb = ma.gain(nm), mb.gain(nm), ma.norm_bias(nm), mb.norm_bias(nm)
+    differ = lambda p, q: float((p - q).norm()) > f.tol * max(float(p.norm()), 1e-300)  # noqa: E731
+    if differ(ga, gb):
+        blame, why = f"{nm.path}.weight", "the norm's gain changed and its readers do not make up for it"
+    elif ba is not None and bb is not None and differ(ba, bb):
+        blame, why = f"{nm.path}.bias", ("the norm's bias changed and its readers' biases do not make "
+                                         "up for it")
+    elif Q is not None:
+        blame, why = f"{nm.path}.weight", ("the norm's gain was not folded into its readers before the "
+                                          "rotation (a non-uniform gain does not commute with it)")
+    else:
+        return r
+    r.residuals[k] = Residual(blame, x.invariant, x.residual, x.head, why)
+    return r
+
+
+def _norm_of(f: _Fitter, m: ModelTensors, u: int, tensor: str):
+    """The norm read by the map that stores ``tensor`` (None when it reads none)."""
+    path = tensor.rsplit(".", 1)[0]
+    reading = C.reading(m)
+    if path in reading:
+        return reading[path]
+    if 0 < u <= f.L:  # an attention invariant blamed on another of the layer's maps
+        layer = u - 1
+        if any(tensor.startswith(f"{x.path}.") for x in (*f.lay.mlps[layer], *(f.lay.gates[layer:layer + 1]
+                                                                             if f.lay.gates else ()))
+               if x is not None):
+            return reading[f.lay.mlps[layer][0].path]
+        return next(n for n in f.lay.norms if n.path == f.lay.attn_norm(layer))
+    return None
+
+
+def _leftovers(f: _Fitter, src: UnitSource, ma: ModelTensors, mb: ModelTensors, u: int,
+               r: UnitResult) -> list[Residual]:
+    """Tensors no section covers (a pooler, a bias the forward never reads) must match as they are."""
+    shared = {(ma.tensors[c].data_ptr(), ma.tensors[c].shape) for c in r.covered}
+    out = []
+    for n in src.names(u):
+        if n in r.covered or n not in mb or (ma.tensors[n].data_ptr(), ma.tensors[n].shape) in shared:
+            continue  # compared, or another name of a compared tensor (tied biases)
+        x, y = ma.tensors[n], mb.tensors[n]
+        if x.shape != y.shape:
+            raise AttnidError(f"{src.label(n)} has shape {tuple(x.shape)} in A but {tuple(y.shape)} in B")
+        if not x.is_floating_point():
+            out.append(Residual(n, "tensor", float((x != y).any())))
+            continue
+        x, y = (t.to(f.cd).reshape(-1) for t in (x, y))
+        out += compare_item(C.Item(n, x, float(x.norm()), "tensor"), C.Item(n, y, float(y.norm()), "tensor"),
+                            None).residuals
+    return out
+
+
+def _gains(ma: ModelTensors, mb: ModelTensors) -> dict[str, torch.Tensor]:
+    """Norm gauge of the element: ``s = g_A / g_B`` at every norm the readers absorb."""
+    out = {}
+    for nm in ma.layout.norms:
+        if nm.absorb is None and nm.gain and f"{nm.path}.weight" in ma and f"{nm.path}.weight" in mb:
+            ga, gb = ma.gain(nm).double(), mb.gain(nm).double()
+            out[nm.path] = ga / torch.where(gb == 0, torch.ones_like(gb), gb)
+    return out
+
+
+def _raw(src: UnitSource, ma: ModelTensors, mb: ModelTensors, u: int) -> float:
+    """``||B - A||`` over the unit's stored tensors (the difference taken as stored: a distance
+    to well under a percent in bfloat16)."""
+    total = 0.0
+    for n in src.names(u):
+        if n in ma and n in mb and ma.tensors[n].is_floating_point():
+            total += float(torch.linalg.vector_norm(ma.tensors[n] - mb.tensors[n], dtype=torch.float64)) ** 2
+    return total**0.5

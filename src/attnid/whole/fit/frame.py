@@ -1,0 +1,77 @@
+"""Where B's residual stream sits relative to A's, and the probes everything is compared on.
+
+B is compared with A in A's coordinates: a row vector ``x`` of B's stream is ``x Q`` in A's
+(``Q`` the fitted rotation, identity when none). Every tensor with the stream on its right
+(a reader's ``[out, d]`` weight, an embedding table, ``W_O [H, dv, d]``) is taken to
+``X Q``, every tensor with the stream on its left (a writer's ``[d, in]`` weight, ``W_Q
+[H, d, dk]``) to ``Q^T X``.
+
+Probes: for a width ``d`` above ``EXACT_WIDTH`` the stream side is not kept whole but seen
+through ``k`` fixed Gaussian directions ``Z [d, k]`` (``E[Z Z^T] = I``): ``X Z`` and ``Z^T X``,
+so B costs ``X (Q Z)`` and ``(Q Z)^T X``, never ``X Q`` (``d`` times the weights' size). Every
+invariant compared is then the same invariant of the probed weights: exact for a group
+element (``(X Q Z)`` of B equals ``X Z`` of A), and a broken one stays broken for almost every
+``Z``; distances are Johnson-Lindenstrauss estimates. Up to ``EXACT_WIDTH`` the probes are the
+identity and everything is exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+EXACT_WIDTH = 512
+NARROW = 64  # probes for rows compared one by one (tables, neurons)
+
+
+def probe_count(d: int, head_dims: int) -> int:
+    """How many probes a width ``d`` gets: all of it up to ``EXACT_WIDTH``, else enough for the
+    per-group least squares of heads ``head_dims`` wide (twice, at least 64)."""
+    return d if d <= EXACT_WIDTH else min(d, max(64, 2 * head_dims))
+
+
+def probes(d: int, k: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor | None:
+    """``Z [d, k]`` with ``E[Z Z^T] = I`` (None: the identity, when ``k >= d``)."""
+    if k >= d:
+        return None
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(d, k, generator=gen, dtype=torch.float64) / k**0.5).to(dtype)
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One model's view: ``Z`` probes (None: exact), ``Q`` B's rotation into A's frame (None:
+    identity), ``dtype`` of the arithmetic; ``R`` (derived once) is what multiplies a
+    stream-on-the-right tensor: ``Q Z``, ``Q``, ``Z`` or nothing."""
+
+    Z: torch.Tensor | None
+    Q: torch.Tensor | None
+    dtype: torch.dtype
+    R: torch.Tensor | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.R is None and (self.Z is not None or self.Q is not None):
+            Q = None if self.Q is None else self.Q.to(self.dtype)
+            object.__setattr__(self, "R", self.Z if Q is None else Q if self.Z is None else Q @ self.Z)
+
+    def right(self, X: torch.Tensor) -> torch.Tensor:
+        """``X [..., d] -> X R [..., k]`` (stream on the right)."""
+        X = X.to(self.dtype)
+        return X if self.R is None else X @ self.R
+
+    def left(self, X: torch.Tensor) -> torch.Tensor:
+        """``X [..., d, n] -> R^T X [..., k, n]`` (stream on the left)."""
+        X = X.to(self.dtype)
+        return X if self.R is None else self.R.T @ X
+
+    def vector(self, x: torch.Tensor) -> torch.Tensor:
+        """A stream vector ``[d] -> [k]``."""
+        return self.right(x[None, :])[0]
+
+    def narrow(self, k: int = NARROW) -> Frame:
+        """The same frame through its first ``k`` probes: enough for rows compared one by one
+        (tables, MLP neurons), which need no room for a per-group least-squares fit."""
+        if self.Z is None or self.Z.shape[1] <= k:
+            return self
+        return Frame(self.Z[:, :k], self.Q, self.dtype, self.R[:, :k])  # (Q Z)[:, :k] = Q Z[:, :k]

@@ -1,0 +1,132 @@
+"""Which head of B is which head of A, and which MLP neuron: linear assignment on features the
+continuous gauges cannot change (docs/theory.md §13.19).
+
+* heads: per query head the V/O product ``W_V^g W_O^h`` (every V/O gauge leaves it) and the Q/K
+  scores ``W~_Q^h W~_K^gT`` split as RoPE splits them (pass-through block, each plane's cos and
+  sin parts, here summed with fixed random weights; QK-norm: ``W_Q``, ``W_K`` themselves), all
+  on the probed stream; heads match within key/value groups, groups as wholes (two levels of
+  assignment);
+* neurons: the gate row (gated MLPs: no symmetry changes it) and the rank-one product of the
+  neuron's input row and output column (a scaling leaves it); GELU/SiLU MLPs: the rows
+  themselves.
+
+An exact rewrite is matched by nearest neighbours (each row's cheapest column; when these form
+a bijection they are also the optimal assignment, the sum of row minima being a lower bound);
+otherwise `scipy.optimize.linear_sum_assignment` solves it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attnid.errors import require
+from attnid.rope import plane_dims
+from attnid.weights import AttentionWeights
+from attnid.whole.fit.canonical import MLP
+
+
+def assignment(cost: torch.Tensor) -> torch.Tensor:
+    """``perm [n]`` minimising ``sum_i cost[i, perm[i]]`` (``cost [n, n]``)."""
+    n = cost.shape[0]
+    nearest = cost.argmin(1)
+    if torch.equal(nearest.sort().values, torch.arange(n)):
+        return nearest
+    require("scipy", "hf")
+    from scipy.optimize import linear_sum_assignment  # optional dependency, only when needed
+
+    rows, cols = linear_sum_assignment(cost.double().numpy())
+    return torch.as_tensor(cols[rows.argsort()], dtype=torch.long)
+
+
+def _sqdist(X: torch.Tensor, Y: torch.Tensor) -> torch.Tensor:
+    """``[n, m]`` relative squared distances between rows of ``X [n, p]`` and ``Y [m, p]``."""
+    nx, ny = (X**2).sum(1), (Y**2).sum(1)
+    total = nx[:, None] + ny[None, :]
+    return (total - 2 * X @ Y.T).clamp_min(0) / total.clamp_min(1e-300)
+
+
+def _head_features(w: AttentionWeights, seed: int = 0) -> list[torch.Tensor]:
+    """Per query head, gauge-invariant features ``[H, p]``."""
+    s = w.spec
+    m = s.group_size
+    vo = (w.W_V.repeat_interleave(m, dim=0) @ w.W_O).flatten(1)  # [H, k*k]
+    K = w.W_K.repeat_interleave(m, dim=0)  # [H, k, dk]
+    if s.qk_norm != "none":
+        return [vo, w.W_Q.flatten(1), K.flatten(1)]
+    q, kk = w.W_Q, K
+    r = s.rope_dims
+    qk = q[..., r:] @ kk[..., r:].mT  # [H, k, k]
+    if r:
+        i1, i2 = plane_dims(s)
+        gen = torch.Generator().manual_seed(seed)
+        a, b = (torch.randn(r // 2, generator=gen, dtype=torch.float64).to(q.dtype) for _ in range(2))
+        q1, q2, k1, k2 = q[..., i1], q[..., i2], kk[..., i1], kk[..., i2]
+        qk = qk + (q1 * a) @ k1.mT + (q2 * a) @ k2.mT + (q1 * b) @ k2.mT - (q2 * b) @ k1.mT
+    return [vo, qk.flatten(1)]
+
+
+def match_heads(A: AttentionWeights, B: AttentionWeights) -> torch.Tensor:
+    """``perm [H]``: A's head ``h`` is B's head ``perm[h]`` (groups kept whole)."""
+    s = A.spec
+    G, m = s.n_kv_heads, s.group_size
+    cost = sum(_sqdist(fa, fb) for fa, fb in zip(_head_features(A), _head_features(B), strict=True))
+    blocks = cost.reshape(G, m, G, m).permute(0, 2, 1, 3)  # [gA, gB, m, m]
+    inner = [[assignment(blocks[i, j]) for j in range(G)] for i in range(G)]
+    gcost = torch.tensor([[float(blocks[i, j][torch.arange(m), inner[i][j]].sum()) for j in range(G)]
+                          for i in range(G)], dtype=torch.float64)
+    groups = assignment(gcost)
+    return torch.cat([int(groups[i]) * m + inner[i][int(groups[i])] for i in range(G)])
+
+
+def _neuron_features(x: MLP) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Per neuron: (row features, second factor of a rank-one product or None)."""
+    up = x.up if x.up_bias is None else torch.cat([x.up, x.up_bias[:, None]], 1)
+    if x.kind == "other":
+        return [(up, None), (x.down, None)] + ([(x.gate, None)] if x.gate is not None else [])
+    out: list[tuple[torch.Tensor, torch.Tensor | None]] = [(up, x.down)]
+    if x.gate is not None:
+        gate = x.gate if x.gate_bias is None else torch.cat([x.gate, x.gate_bias[:, None]], 1)
+        out.append((gate, None))
+    return out
+
+
+def _pair_cost(fa: tuple[torch.Tensor, torch.Tensor | None], fb: tuple[torch.Tensor, torch.Tensor | None],
+               rows: slice) -> torch.Tensor:
+    (a, a2), (b, b2) = fa, fb
+    a = a[rows]
+    if a2 is None:
+        return _sqdist(a, b)
+    a2 = a2[rows]
+    na = (a**2).sum(1) * (a2**2).sum(1)  # |u d^T|^2 = |u|^2 |d|^2
+    nb = (b**2).sum(1) * (b2**2).sum(1)
+    cross = (a @ b.T) * (a2 @ b2.T)
+    total = na[:, None] + nb[None, :]
+    return (total - 2 * cross).clamp_min(0) / total.clamp_min(1e-300)
+
+
+def _diagonal(fa: tuple[torch.Tensor, torch.Tensor | None], fb: tuple[torch.Tensor, torch.Tensor | None]
+              ) -> torch.Tensor:
+    """The cost of pairing neuron ``j`` with neuron ``j`` (``[f]``)."""
+    (a, a2), (b, b2) = fa, fb
+    if a2 is None:
+        return ((a - b) ** 2).sum(1) / ((a**2).sum(1) + (b**2).sum(1)).clamp_min(1e-300)
+    na, nb = (a**2).sum(1) * (a2**2).sum(1), (b**2).sum(1) * (b2**2).sum(1)
+    cross = (a * b).sum(1) * (a2 * b2).sum(1)
+    return (na + nb - 2 * cross).clamp_min(0) / (na + nb).clamp_min(1e-300)
+
+
+def match_neurons(A: MLP, B: MLP, tol: float = 0.0, chunk: int = 2048) -> torch.Tensor:
+    """``perm [f]``: A's neuron ``j`` is B's neuron ``perm[j]``. The identity when every neuron
+    already matches its namesake to rounding (``tol``; costs are never negative, so that is the
+    optimum); else nearest neighbours row by row (chunks of ``chunk`` rows), and the full cost
+    matrix and an assignment only when they clash."""
+    fa, fb = _neuron_features(A), _neuron_features(B)
+    f = A.up.shape[0]
+    if float(sum(_diagonal(x, y) for x, y in zip(fa, fb, strict=True)).max()) <= tol**2:
+        return torch.arange(f)
+    nearest = torch.cat([sum(_pair_cost(x, y, slice(i, i + chunk)) for x, y in zip(fa, fb, strict=True)
+                             ).argmin(1) for i in range(0, f, chunk)])
+    if torch.equal(nearest.sort().values, torch.arange(f)):
+        return nearest
+    cost = sum(_pair_cost(x, y, slice(None)) for x, y in zip(fa, fb, strict=True))
+    return assignment(cost)

@@ -1,0 +1,46 @@
+"""The residual-stream rotation that maps B onto A (docs/theory.md §13.6, §13.19): orthogonal
+Procrustes on gauge-fixed rows that live in the stream (embedding and unembedding rows, or a
+layer's reader rows and writer columns): ``Q = argmin ||X_B Q - X_A||`` over ``O(d)``, or, under
+LayerNorm, over the rotations fixing all-ones (both sides are already orthogonal to all-ones,
+so the fit runs in that complement). For B an exact rotation of A the fit is exact whenever the
+rows span the stream (``X_A`` of rank ``d``: a vocabulary wider than the model does it)."""
+
+from __future__ import annotations
+
+import torch
+
+from attnid.whole.transforms.orthogonal import ones_complement
+
+
+def polar(M: torch.Tensor) -> torch.Tensor:
+    """The orthogonal factor of ``M`` (``U V^T`` of its SVD): the Procrustes solution, as
+    ``M (M^T M)^{-1/2}`` from a symmetric eigendecomposition polished by one Newton step
+    ``(X + X^{-T}) / 2`` (together about half the SVD's time; ``M`` is well conditioned here:
+    the table rows span the stream); the SVD for widths up to 1024 and when it is not."""
+    if M.shape[0] <= 1024:  # small: the SVD is cheap and the most accurate
+        U, _, Vh = torch.linalg.svd(M)
+        return U @ Vh
+    lam, V = torch.linalg.eigh(M.T @ M)
+    if float(lam[0]) > 1e-6 * float(lam[-1]):
+        X = M @ (V * lam.rsqrt()[None, :]) @ V.T
+        return 0.5 * (X + torch.linalg.inv(X).T)  # one Newton step: the error squared
+    U, _, Vh = torch.linalg.svd(M)
+    return U @ Vh
+
+
+def rows(X: torch.Tensor, n: int) -> torch.Tensor:
+    """At most ``n`` rows of ``X``, evenly spaced (deterministic)."""
+    if X.shape[0] <= n:
+        return X
+    return X[torch.linspace(0, X.shape[0] - 1, n).round().long()]
+
+
+def procrustes(XB: torch.Tensor, XA: torch.Tensor, layer_norm: bool) -> torch.Tensor:
+    """``Q [d, d]`` orthogonal minimising ``||XB Q - XA||`` (``Q 1 = 1`` under LayerNorm)."""
+    M = XB.T @ XA  # [d, d]
+    if not layer_norm:
+        return polar(M)
+    d = M.shape[0]
+    U = ones_complement(d).to(M.dtype)  # [d, d - 1]
+    R = polar(U.T @ M @ U)
+    return U @ R @ U.T + torch.full((d, d), 1.0 / d, dtype=M.dtype)

@@ -1,0 +1,103 @@
+"""Where the fit reads tensors from: a `UnitSource` hands out one unit at a time (0: the
+embedding tables, ``1..L``: the layers with the norms their readers read, ``L + 1``: the rest),
+as `ModelTensors`. A checkpoint streams its units from disk (`attnid.checkpoint.units`); a
+module or a `ModelTensors` already in memory is a `TensorSource`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from attnid.errors import AttnidError
+from attnid.whole.transforms.layout import Layout
+from attnid.whole.transforms.state import ModelTensors
+
+
+class UnitSource(Protocol):
+    layout: Layout
+    config: dict[str, Any]
+
+    @property
+    def count(self) -> int: ...
+
+    def load(self, unit: int, *, check: bool = True) -> ModelTensors: ...
+
+    def names(self, unit: int) -> list[str]: ...
+
+    def dtype(self) -> torch.dtype: ...
+
+    def label(self, name: str) -> str: ...
+
+    def shape(self, name: str) -> tuple[int, ...] | None: ...
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor: ...
+
+
+def assign_units(lay: Layout, names: Iterable[str]) -> dict[str, int]:
+    """``state_dict`` name -> unit: 0 the tables, ``i + 1`` layer ``i``, ``L + 1`` the rest; a
+    norm goes with its first reader (BERT's embedding LayerNorm with layer 0)."""
+    tables = {f"{t}.weight" for t in lay.tables}
+    L = len(lay.layers)
+
+    def unit(name: str) -> int:
+        if name in tables:
+            return 0
+        return next((i + 1 for i, p in enumerate(lay.layers) if name.startswith(p)), L + 1)
+
+    out = {n: unit(n) for n in names}
+    for nm in (*lay.norms, *(() if lay.final is None else (lay.final,))):
+        if nm.readers and f"{nm.readers[0].path}.weight" in out:
+            u = out[f"{nm.readers[0].path}.weight"]
+            for suffix in (".weight", ".bias"):
+                if nm.path + suffix in out:
+                    out[nm.path + suffix] = u
+    return out
+
+
+def unit_extras(lay: Layout, unit: int) -> list[str]:
+    """Names a unit needs from another one: a tied head's table (its logit bias ``c + E b``),
+    a tied RoBERTa's head gain (the pad rows' direction)."""
+    if unit == len(lay.layers) + 1 and lay.tied:
+        return [f"{lay.tables[0]}.weight"]
+    if unit == 0 and lay.tied and lay.padding_idx is not None and lay.final is not None:
+        return [f"{lay.final.path}.weight"]
+    return []
+
+
+class TensorSource:
+    """A model in memory (a Hugging Face module or a `ModelTensors`) as a `UnitSource`."""
+
+    def __init__(self, model: nn.Module | ModelTensors) -> None:
+        self.m = model if isinstance(model, ModelTensors) else ModelTensors.of(model)
+        self.layout, self.config = self.m.layout, self.m.config
+        self.unit_of = assign_units(self.layout, self.m.tensors)
+
+    @property
+    def count(self) -> int:
+        return len(self.layout.layers) + 2
+
+    def load(self, unit: int, *, check: bool = True) -> ModelTensors:
+        if check:
+            for n, t in self.m.tensors.items():
+                if t.is_floating_point() and not torch.isfinite(t).all():
+                    raise AttnidError(f"tensor {n} holds NaN or Inf values")
+        return self.m
+
+    def names(self, unit: int) -> list[str]:
+        return [n for n, u in self.unit_of.items() if u == unit]
+
+    def dtype(self) -> torch.dtype:
+        return next(t.dtype for t in self.m.tensors.values() if t.is_floating_point())
+
+    def label(self, name: str) -> str:
+        return name
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        t = self.m.tensors.get(name)
+        return None if t is None else tuple(t.shape)
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        return self.m.tensors[name][start:stop]

@@ -1,0 +1,75 @@
+"""One element of the whole-model symmetry group, as a typed record, and the pure function
+that applies it (to a checkpoint's tensors or a module): what `attnid diff` fits and what
+`attnid rewrite` draws.
+
+The record holds the multiplicative part of the group (docs/theory.md §13): norm gain
+transfers, the residual-stream rotation, and per layer a head permutation, per-group Q/K and
+V/O transforms, a neuron permutation and per-neuron MLP scales. The additive part (LayerNorm
+bias moves, centring, all-ones shifts, translations, logit shifts, parallel-bias transfer,
+key-bias translation, value-bias folding) is what `attnid diff` removes by gauge fixing.
+
+Order of :func:`apply_element`: gain transfers and the (gain-keeping) rotation act on the
+residual side and commute with each other; the per-layer parts act on the head and neuron
+side; a permutation comes before the transform indexed by the new order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from attnid.whole.transforms.heads import head_permutation, query_key_transform, value_transform
+from attnid.whole.transforms.mlp import mlp_scaling, neuron_permutation
+from attnid.whole.transforms.norms import norm_gain_transfer
+from attnid.whole.transforms.residual import residual_rotation
+from attnid.whole.transforms.state import ModelTensors, on_modules
+
+
+@dataclass(frozen=True)
+class LayerElement:
+    """One layer's part (None: identity)."""
+
+    heads: torch.Tensor | None = None  # [H] long: new query head h is old head heads[h]
+    qk: torch.Tensor | None = None  # [G, dk, dk] M: W_Q -> W_Q M, W_K -> W_K M^{-T}
+    vo: torch.Tensor | None = None  # [G, dv, dv] C: W_V -> W_V C, W_O -> C^{-1} W_O
+    neurons: torch.Tensor | None = None  # [f] long: new neuron j is old neuron neurons[j]
+    mlp: torch.Tensor | None = None  # [f] per-neuron scales of the up side
+
+    def is_identity(self) -> bool:
+        return all(x is None for x in (self.heads, self.qk, self.vo, self.neurons, self.mlp))
+
+
+@dataclass(frozen=True)
+class GroupElement:
+    """A whole-model group element (None and empty parts: identity)."""
+
+    rotation: torch.Tensor | None = None  # [d, d] orthogonal Q: the stream x -> x Q
+    gains: dict[str, torch.Tensor] = field(default_factory=dict)  # norm path -> s: gain * s
+    layers: tuple[LayerElement, ...] = ()
+
+
+@on_modules
+def apply_element(m: ModelTensors, g: GroupElement) -> ModelTensors:
+    """``g`` applied to ``m`` (the parts whose tensors ``m`` holds: a checkpoint is rewritten one
+    unit at a time)."""
+    for path, s in g.gains.items():
+        if f"{path}.weight" in m:
+            m = norm_gain_transfer(m, path, s)
+    if g.rotation is not None:
+        m = residual_rotation(m, g.rotation)
+    for i, le in enumerate(g.layers):
+        heads = le.heads is not None or le.qk is not None or le.vo is not None
+        if heads and m.complete(m.attention_names(i), f"layer {i}'s attention"):
+            if le.heads is not None:
+                m = head_permutation(m, i, le.heads)
+            if le.qk is not None:
+                m = query_key_transform(m, i, le.qk)
+            if le.vo is not None:
+                m = value_transform(m, i, le.vo)
+        if (le.neurons is not None or le.mlp is not None) and m.has(m.layout.mlps[i][1]):
+            if le.neurons is not None:
+                m = neuron_permutation(m, i, le.neurons)
+            if le.mlp is not None:
+                m = mlp_scaling(m, i, le.mlp)
+    return m

@@ -1,0 +1,171 @@
+"""The whole-model fit behind `attnid diff` (`attnid.whole.fit.fit`), on Hugging Face's own
+classes in float64: a random group element (every multiplicative part at once) is certified
+and the fitted element maps B back onto A; every additive symmetry is certified; one changed
+tensor is refused with that tensor named; the probed path (random stream directions) keeps
+both properties; models that differ for real get distances whose shares say what the rotation
+and the permutations explain."""
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from attnid.whole import transforms as T
+from attnid.whole.check import tiny_model
+from attnid.whole.fit import TensorSource, fit
+from attnid.whole.transforms.orthogonal import (
+    random_commutant,
+    random_head_permutation,
+    random_orthogonal,
+    random_rotation_fixing_ones,
+)
+from attnid.whole.transforms.residual import rotation_refusal
+
+from .test_rewrites import FAMILIES
+from .test_whole_transforms import CASES_T
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def element(model) -> T.GroupElement:
+    """A random element with every part the layout allows."""
+    mt = T.ModelTensors.of(model)
+    lay = mt.layout
+    layers = []
+    for i in range(len(lay.layers)):
+        s = mt.spec(i)
+        f = mt.weight(lay.mlps[i][1]).shape[1]
+        layers.append(T.LayerElement(
+            heads=random_head_permutation(s, gen(i)),
+            qk=None if s.qk_norm != "none" else random_commutant(s, gen(i)),
+            vo=torch.stack([random_orthogonal(s.v_head_dim, gen(10 + g)) for g in range(s.n_kv_heads)]),
+            neurons=torch.randperm(f, generator=gen(i)),
+            mlp=None if lay.mlp == "other" else torch.exp(torch.randn(f, generator=gen(i),
+                                                                      dtype=torch.float64))))
+    d = mt.spec(0).d_model
+    rot = None
+    if rotation_refusal(lay, mt.gain(lay.final) if lay.final else None) is None:
+        rot = random_rotation_fixing_ones(d, gen(3)) if lay.norm == "layer" else random_orthogonal(d, gen(3))
+    gains = {nm.path: torch.exp(torch.randn(d, generator=gen(7), dtype=torch.float64))
+             for nm in lay.norms if nm.absorb is None and nm.gain}
+    return T.GroupElement(rotation=rot, gains=gains, layers=tuple(layers))
+
+
+def residuals(f):
+    return [x for r in f.units for x in r.residuals]
+
+
+def worst(f):
+    return max(residuals(f), key=lambda x: x.residual)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_random_element_is_fitted_exactly(family):
+    A = tiny_model(FAMILIES[family], seed=0)
+    B = T.apply_element(A, element(A))
+    f = fit(TensorSource(A), TensorSource(B))
+    w = worst(f)
+    assert w.residual <= f.tolerance, f"{family}: {w}"
+    back = T.apply_element(T.ModelTensors.of(B), f.element).tensors
+    err = max(float((back[k] - v).norm() / v.norm().clamp_min(1e-30))
+              for k, v in A.state_dict().items() if v.is_floating_point())
+    assert err < 1e-12, f"{family}: the fitted element maps B onto A up to {err:.1e}"
+
+
+@pytest.mark.parametrize("name", list(CASES_T))
+def test_every_symmetry_is_certified(name):
+    config, transform = CASES_T[name]
+    A = tiny_model(config, seed=0)
+    f = fit(TensorSource(A), TensorSource(transform(A)))
+    assert worst(f).residual <= f.tolerance, f"{name}: {worst(f)}"
+
+
+BLAME = ["llama-gqa", "qwen2-bias-gqa", "gpt2-untied", "phi3", "falcon-new-decoder"]
+
+
+@pytest.mark.parametrize("family", BLAME)
+def test_one_changed_tensor_is_named(family):
+    """Each stored tensor, nudged alone by 1e-3 of its size: refused, that tensor blamed."""
+    A = tiny_model(FAMILIES[family], seed=0)
+    mt = T.ModelTensors.of(A)
+    wrong = []
+    for k, v in A.state_dict().items():
+        if k == f"{mt.layout.unembed.path}.weight" and mt.layout.tied:
+            continue
+        t = v + 1e-3 * v.abs().mean().clamp_min(1e-3) * torch.randn(v.shape, generator=gen(1), dtype=v.dtype)
+        f = fit(TensorSource(A), TensorSource(mt.replace({k: t})))
+        first = next((x for x in residuals(f) if x.residual > f.tolerance), None)
+        if first is None or first.tensor != k:
+            wrong.append((k, None if first is None else first.tensor))
+    assert not wrong, f"{family}: (changed, blamed): {wrong}"
+
+
+@pytest.mark.parametrize("family", ["llama-gqa", "gpt2-untied", "bert"])
+def test_probed(family):
+    """Through 4 random stream directions (width 8): the same verdicts."""
+    A = tiny_model(FAMILIES[family], seed=0)
+    f = fit(TensorSource(A), TensorSource(T.apply_element(A, element(A))), probe_k=4)
+    assert f.probes == 4 and worst(f).residual <= f.tolerance, worst(f)
+    mt = T.ModelTensors.of(A)
+    name = f"{mt.layout.mlps[1][1].path}.weight"
+    nudged = mt.replace({name: mt.tensors[name] * 1.01})
+    f = fit(TensorSource(A), TensorSource(nudged), probe_k=4)
+    first = next(x for x in residuals(f) if x.residual > f.tolerance)
+    assert first.tensor == name, first
+
+
+def test_shares_of_a_model_that_differs_for_real():
+    """B: A rotated and permuted, then moved off the orbit a little: the rotation and the
+    permutations explain most of the raw difference, the aligned distance is the move."""
+    A = tiny_model(dict(FAMILIES["llama-gqa"], intermediate_size=16), seed=0)
+    g = element(A)
+    g = T.GroupElement(rotation=g.rotation, layers=tuple(
+        T.LayerElement(heads=le.heads, neurons=le.neurons) for le in g.layers))
+    B = T.ModelTensors.of(T.apply_element(A, g))
+    noise = {k: v + 1e-3 * torch.randn(v.shape, generator=gen(5), dtype=v.dtype)
+             for k, v in B.tensors.items() if k.startswith("model.layers.0.") and v.ndim == 2}
+    f = fit(TensorSource(A), TensorSource(B.replace(noise)))
+    u = f.units[1]  # layer 0
+    d = u.distances
+    assert worst(f).residual > f.tolerance
+    rotation = (d["fixed"] - d["rotated"]) / d["fixed"]
+    permutation = (d["rotated"] - d["permuted"]) / d["fixed"]
+    assert rotation + permutation > 0.9 and permutation > 0.05, (rotation, permutation)
+    moved = sum(float((t - B.tensors[k]).norm()) ** 2 for k, t in noise.items()) ** 0.5
+    assert 0.2 * moved < d["aligned"] ** 0.5 < 5 * moved, (d["aligned"] ** 0.5, moved)
+
+
+def test_two_unrelated_models_need_a_real_assignment():
+    """Different seeds: nearest neighbours clash, linear assignment decides; each fitted part
+    brings B closer (the rotation is fitted on the tables, so a layer may not follow it), and
+    nothing is certified."""
+    A, B = (tiny_model(dict(FAMILIES["llama-gqa"], intermediate_size=16), seed=s) for s in (0, 1))
+    f = fit(TensorSource(A), TensorSource(B))
+    assert worst(f).residual > 0.1
+    for u in f.units[1:-1]:
+        d = u.distances
+        assert d["rotated"] >= d["permuted"] - 1e-9 and d["permuted"] >= d["aligned"] - 1e-9, d
+        assert sorted(u.element.neurons.tolist()) == list(range(16))
+
+
+def test_a_rotated_post_ln_model_is_refused_at_its_token_table():
+    """BERT's stream is a LayerNorm's output: a rotation is no symmetry; B built as one is
+    refused at the word embeddings, with the reason (the default suite's twin of the real
+    MiniLM case in tests/checkpoint/test_diff_catalogue.py)."""
+    A = tiny_model(FAMILIES["bert"], seed=0)
+    mt = T.ModelTensors.of(A)
+    Q = random_rotation_fixing_ones(8, gen(0))
+    rotated = {}
+    for n, t in mt.tensors.items():
+        table = n.startswith("bert.embeddings.") and n.endswith("embeddings.weight")
+        if table or n.endswith(("query.weight", "key.weight", "value.weight", "intermediate.dense.weight",
+                                "transform.dense.weight")):
+            rotated[n] = t @ Q
+        elif n.endswith(("output.dense.weight", "output.dense.bias", "LayerNorm.bias")):
+            rotated[n] = Q.T @ t
+    f = fit(TensorSource(A), TensorSource(mt.replace(rotated)))
+    first = next(x for x in residuals(f) if x.residual > f.tolerance)
+    assert first.tensor == "bert.embeddings.word_embeddings.weight", first
+    assert "post-LN" in first.reason, first
