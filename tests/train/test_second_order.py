@@ -167,3 +167,18 @@ def test_fig5_caption_quotes_what_its_right_panel_checks(smoke):
     worst = max(so.second_order_ratio(smoke.runs[p + "sgd"], "vo", so.rounding_allowance(smoke, p, "vo"))[2]
                 for p in ("", "rope_", "gqa_"))
     assert f"VO {worst:.2g})" in text and "own layer" in text, text
+
+
+def test_the_section_text_describes_each_run_from_its_numbers(smoke):
+    run = smoke.runs["gqa_sgd"]
+    n = len(run.step)
+    beta = np.repeat(run.vo.beta[:1], n, axis=0)
+    beta[n // 2:] *= 2
+    norm = np.full_like(run.update_norm_max, 0.1)
+    norm[n // 2] = 3.0
+    text = so.text(_with_run(smoke, "gqa_sgd", vo={"beta": beta}, update_norm_max=norm))
+    gqa_vo = next(ln for ln in text.splitlines() if ln.startswith("- GQA, SGD lr 0.25, VO"))
+    assert "(+100.0%)" in gqa_vo and "a spike, one update 30× the usual size" in gqa_vo, gqa_vo
+    b0 = smoke.runs["sgd"].vo.beta[0].mean()
+    ratio = smoke.runs["sgd"].vo.update_sq[1:].sum(0).mean() / b0
+    assert f"summed squared VO steps are {ratio:.2g}× its starting beta_vo" in text

@@ -433,9 +433,11 @@ def _run_line(run: RunData, label: str, side: Side) -> str:
     if abs(rel) < MOVED:
         return text + "."
     j = biggest_jump(run, side)
-    text += (f"; the largest change of the mean falls between steps {j.start} and {j.end} "
-             f"({100 * j.share:.0f}% of the run's net change), where the largest single update norm was "
-             f"{j.update_norm:.3g} (median over intervals {j.typical:.3g})")
+    share = (f"{100 * j.share:.0f}% of the run's net change" if 0 <= j.share <= 1 else
+             f"{j.share:+.2g}× the run's net change: the other steps moved it the other way")
+    text += (f"; the largest change of the mean falls between steps {j.start} and {j.end} ({share}), "
+             f"where the largest single update norm was {j.update_norm:.3g} (median over intervals "
+             f"{j.typical:.3g})")
     if is_spike(j):
         return text + f": a spike, one update {j.update_norm / j.typical:.0f}× the usual size."
     if side == "vo":
@@ -446,13 +448,23 @@ def _run_line(run: RunData, label: str, side: Side) -> str:
     return text + "."
 
 
+def _how_big(data: ExperimentData) -> str:
+    """How the summed squared VO steps of the plain SGD run compare with beta_vo (words and number)."""
+    run = data.runs.get("sgd")
+    if run is None:
+        return ""
+    ratio = run.vo.update_sq[1:].sum(0).mean() / run.vo.beta[0].mean()
+    size = "far from small" if ratio > 1 else "small"
+    return (f", and at lr 0.25 {size}: the plain SGD run's summed squared VO steps are {ratio:.2g}× its "
+            "starting beta_vo")
+
+
 def text(data: ExperimentData) -> str:
     """The evidence on SGD's drift, per variant and side, in numbers (Markdown)."""
     lines = ["**Why SGD's conserved quantities move.** Gradient flow conserves C exactly. One SGD step "
              "d = -lr g changes it by exactly C(d) (VO: d_Vᵀd_V - Σ_h d_O d_Oᵀ; QK: its commutant "
-             "projection; docs/theory.md §9.3): never at first order (rho ≈ 0 says the update has no "
-             "orbit part), but not zero either, and not small at lr 0.25, where the summed squared steps "
-             "exceed beta itself. Measured on every SGD run:", ""]
+             "projection; docs/theory.md §9.3, §9.5): never at first order (rho ≈ 0 says the update has no "
+             "orbit part), but not zero either" + _how_big(data) + ". Measured on every SGD run:", ""]
     for prefix, label in VARIANTS.items():
         run = data.runs.get(prefix + "sgd")
         if run is None:

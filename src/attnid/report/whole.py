@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from attnid.adapters.config import bundled, load_config
 from attnid.adapters.registry import adapter_for
+from attnid.progress import Progress
 from attnid.report.document import Claim, Context, Section, Table
 
 QUICK = ("gpt2", "Llama-2-7b", "Qwen3-8B")  # LayerNorm + positions; RMSNorm; QK-norm
@@ -24,10 +25,10 @@ COUNT_COLUMNS = {"model": "model", "params": "parameters", "unidentified": "unid
 def whole_model_section(ctx: Context) -> Section:
     """The section for `attnid reproduce` (``ctx.quick`` checks 3 families)."""
     ctx.progress.stage("whole-model counts and their arbiter checks")
-    return run_section(ctx.quick)
+    return run_section(ctx.quick, ctx.progress)
 
 
-def run_section(quick: bool) -> Section:
+def run_section(quick: bool, progress: Progress | None = None) -> Section:
     """Counts of every closed-form bundled model; the arbiter on reduced configs (3 when quick)."""
     from attnid.whole.check import verify_whole_hf_config
     from attnid.whole.model import count_model
@@ -42,7 +43,9 @@ def run_section(quick: bool) -> Section:
                        "unidentified_ratio": c.ratio, "identified_share": 1 - c.ratio})
     checked = [n for n in bundled() if _closed(n) and (not quick or n in QUICK)]
     checks = []
-    for name in checked:
+    for i, name in enumerate(checked, start=1):
+        if progress is not None:
+            progress.line(f"  whole model {i}/{len(checked)}: {name}, closed form against the arbiter")
         v = verify_whole_hf_config(name, confirm=not quick).to_dict()
         checks.append({"model": name, "params": v["total"], "theory": v["unidentified_theory"],
                        "arbiter": v["unidentified_numeric"], "near_theory": v["near_unidentified_theory"],
