@@ -53,15 +53,21 @@ def _hits(p: float, seed: int) -> torch.Tensor:
     return torch.rand(N, generator=torch.Generator().manual_seed(seed)) < p
 
 
+def _loss(hits: torch.Tensor) -> torch.Tensor:
+    """A per-line held-out loss that follows the hits (low for a hit)."""
+    return 2.0 - hits.double()
+
+
 def _run(name: str, seed: int, hits: torch.Tensor) -> pt.FineTune:
     zero = {"qk": [0.0], "vo": [0.0]}
     return pt.FineTune(name, seed, [1.0], [1], zero, zero, [1], [float(hits.double().mean())], [0.2], hits,
-                       zero, (1.0, 1.0, 0.0), 1.0)
+                       _loss(hits), zero, (1.0, 1.0, 0.0), 1.0)
 
 
 class _Retrieval:
     def __init__(self, hits: torch.Tensor) -> None:
-        self.hits, self.accuracy, self.mean_cosine = hits, float(hits.double().mean()), 0.2
+        self.hits, self.loss, self.mean_cosine = hits, _loss(hits), 0.2
+        self.accuracy = float(hits.double().mean())
 
 
 def _verdicts(base: torch.Tensor, adamw: list[torch.Tensor], proj: list[torch.Tensor]) -> list[bool]:

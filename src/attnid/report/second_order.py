@@ -207,8 +207,8 @@ def fig5(data: ExperimentData, path: Path) -> Path:
             if sp is not None:
                 a.plot(sp.lr, sp.drift[side], "-", marker=MARKERS[prefix], ms=SIZES[prefix], mfc="none",
                        color=color, label=f"{label}: C_{side.upper()}, slope {sp.slope[side]:.2f}")
-                a.plot(sp.lr, sp.step_sq[side], ":", color=color, lw=1,
-                       label=f"{label}: bound ||lr g_{side.upper()}||²")
+                a.plot(sp.lr, sp.step_sq[side], ":", marker=MARKERS[prefix], ms=SIZES[prefix] / 2, mfc="none",
+                       color=color, lw=1, label=f"{label}: bound ||lr g_{side.upper()}||²")
                 if prefix and side == "qk":
                     a.plot(sp.lr, sp.drift_qk_naive, "x--", color=color,
                            label=f"{label}: per-head unprojected, slope {sp.slope_qk_naive:.2f}")
@@ -240,8 +240,8 @@ def fig5(data: ExperimentData, path: Path) -> Path:
         c.axhline(1.0, color="k", ls="--", lw=0.8, label="the bound (claim: below)")
         c.set_yscale("log")
         c.set_xlabel("step")
-        c.set_ylabel(f"max over heads |Δbeta_{side}| / (layer's Σ||Δw_{side.upper()}||² + rounding)")
-        c.set_title(f"{side.upper()}: SGD lr 0.25, moved / bound since step 1", fontsize=10)
+        c.set_ylabel(f"|Δbeta_{side}| / bound (max over heads)")
+        c.set_title(f"{side.upper()}: SGD lr 0.25, moved / (own layer's Σ||Δw||² + rounding)", fontsize=10)
         c.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=90)

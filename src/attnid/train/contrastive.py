@@ -110,16 +110,24 @@ class Retrieval:
     """Held-out retrieval: for each line, whether its nearest neighbour among all held-out next
     lines (cosine) is its own; and how spread the embeddings are."""
 
-    hits: torch.Tensor  # [N] bool
+    hits: torch.Tensor  # [N] bool: the nearest candidate is the right one
+    rank: torch.Tensor  # [N] int: 1 + how many candidates are nearer than the right one
+    loss: torch.Tensor  # [N]: -log of the right candidate's softmax weight among all N (training temperature)
     mean_cosine: float  # mean cosine between the embeddings of different lines (1: collapsed)
 
     @property
     def accuracy(self) -> float:
         return float(self.hits.double().mean())
 
+    @property
+    def reciprocal_rank(self) -> torch.Tensor:
+        """``[N]``: 1 / rank (1 for a hit); its mean is the mean reciprocal rank."""
+        return 1.0 / self.rank.double()
+
 
 @torch.no_grad()
-def retrieval(model: nn.Module, tok: Any, pairs: list[tuple[str, str]], chunk: int = 128) -> Retrieval:
+def retrieval(model: nn.Module, tok: Any, pairs: list[tuple[str, str]], chunk: int = 128,
+              temperature: float = 0.05) -> Retrieval:
     """:class:`Retrieval` of ``model`` on ``pairs`` (evaluation mode, restored after)."""
     was = model.training
     model.eval()
@@ -130,7 +138,10 @@ def retrieval(model: nn.Module, tok: Any, pairs: list[tuple[str, str]], chunk: i
     n = len(pairs)
     gram = a @ a.T  # [N, N]: unit vectors, so cosines
     spread = float((gram.sum() - gram.diagonal().sum()) / max(1, n * n - n))
-    return Retrieval((a @ b.T).argmax(1) == torch.arange(n), spread)
+    sim = a @ b.T  # [N, N]: row i's right candidate is column i
+    rank = 1 + (sim > sim.diagonal().unsqueeze(1)).sum(1)  # [N]
+    loss = -torch.log_softmax(sim / temperature, dim=1).diagonal()  # [N]
+    return Retrieval(rank == 1, rank, loss, spread)
 
 
 def retrieval_accuracy(model: nn.Module, tok: Any, pairs: list[tuple[str, str]], chunk: int = 128) -> float:
