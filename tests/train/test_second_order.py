@@ -182,3 +182,13 @@ def test_the_section_text_describes_each_run_from_its_numbers(smoke):
     b0 = smoke.runs["sgd"].vo.beta[0].mean()
     ratio = smoke.runs["sgd"].vo.update_sq[1:].sum(0).mean() / b0
     assert f"summed squared VO steps are {ratio:.2g}× its starting beta_vo" in text
+
+
+def test_the_section_draws_and_claims_without_the_runs_beyond_the_paper(smoke, tmp_path):
+    """`attnid experiment paper --paper-only` has no RoPE, GQA or projection runs."""
+    beyond = ("rope_", "gqa_", "adamw_project")
+    runs = {k: v for k, v in smoke.runs.items() if not k.startswith(beyond)}
+    data = dataclasses.replace(smoke, runs=runs, same_point={"": smoke.same_point[""]})
+    section = tr.training_section(data, tmp_path)
+    assert section.claims and not any(c.claim.startswith(("[RoPE]", "[GQA]")) for c in section.claims)
+    assert {f.path.name for f in section.figures} >= {"fig5_second_order.png", "fig6_vo_drift.png"}

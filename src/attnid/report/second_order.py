@@ -188,7 +188,7 @@ def sweep_per_time(data: ExperimentData, side: Side) -> tuple[list[float], list[
 
 
 def floor_line(data: ExperimentData, side: Side) -> float | None:
-    """eps32 * (||G_left|| + ||G_right||), mean over heads, at the trained plain SGD weights."""
+    """eps32 * (||G_left|| + ||G_right||), largest over heads, at the trained plain SGD weights."""
     sp = data.same_point.get("")
     return None if sp is None else sp.floor_eps[side]
 
