@@ -86,3 +86,34 @@ def test_piped_tables_keep_their_width(capsys):
     body = [ln for ln in lines if "value_0_" in ln]
     assert len(body) == 3 and all("value_11_" in ln for ln in body), lines  # one line per row
     assert max(len(ln) for ln in lines) > 250
+
+
+def test_every_figure_has_alt_text_that_says_what_it_shows_never_the_file_name(tmp_path):
+    (tmp_path / "fig_a.png").write_bytes(PNG)
+    (tmp_path / "fig_b.png").write_bytes(PNG)
+    alt = "Two panels [left, right] of *rho* over steps"
+    figures = (Figure(tmp_path / "fig_a.png", "Caption A. More.", alt=alt),
+               Figure(tmp_path / "fig_b.png", "Loss of the four cases over steps. The rest."))
+    md = render_markdown("Report", "intro", [Section("S", figures=figures)], "quick run")
+    html = render_html(md, tmp_path)
+    alts = re.findall(r'<img src="data:image/png;base64,[^"]*" alt="([^"]*)"', html)
+    assert alts == ["Figure 1: Two panels [left, right] of *rho* over steps",  # markup kept as text
+                    "Figure 2: Loss of the four cases over steps"], alts  # default: caption's 1st sentence
+    assert "fig_a" not in " ".join(alts) and "fig_b" not in " ".join(alts)
+    assert "![Figure 2: Loss of the four cases over steps](figures/fig_b.png)" in md
+
+
+def test_the_eta_counts_the_runs_of_the_current_stage_only():
+    stream = io.StringIO()
+    now = [0.0]
+    p = Progress(stream, clock=lambda: now[0])
+    p.stage("training")
+    for i in (1, 2):  # two runs of 100 s
+        p.run(i, 2, "slow")
+        now[0] += 100
+    p.stage("fine-tuning")
+    p.run(1, 3, "fast")  # one run of 10 s: the 2 left take 20 s, not 2 * 70 s
+    now[0] += 10
+    p.run(2, 3, "fast")
+    last = stream.getvalue().splitlines()[-1]
+    assert re.search(r"run 2/3 fast \(ETA \d\d:\d\d:\d\d, 0:20 left\)", last), last

@@ -12,7 +12,8 @@
 On a terminal (``stream.isatty()``) a rich status line shows the current stage and run and
 a bar shows the steps; otherwise every stage, run and tenth of a run prints one
 ``HH:MM:SS message`` line, flushed at once, so a log file, CI or ``nohup`` sees the work move.
-The ETA of a run assumes the remaining runs take as long as the finished ones on average.
+The ETA of a run assumes the remaining runs take as long as the finished ones of the same
+stage on average.
 """
 
 from __future__ import annotations
@@ -105,8 +106,10 @@ class Progress:
         self.stream.flush()
 
     def stage(self, name: str) -> None:
-        """A new stage of the work (closes the timing of the current run)."""
+        """A new stage of the work: closes the timing of the current run, and the ETA of the
+        stage's runs counts only them (a stage's runs are alike; another stage's are not)."""
         self._end_run()
+        self._run_seconds = []
         self._show(name)
 
     def run(self, i: int, n: int, name: str) -> None:

@@ -42,3 +42,50 @@ def median(values: Any) -> float:
 def medians(rows: Any) -> list[float]:
     """:func:`median` of each row (e.g. per step over heads: ``[S, H] -> [S]``)."""
     return [median(r) for r in rows]
+
+
+def paired_interval(diffs: Any, level: float = 0.95, draws: int = 4000, seed: int = 0
+                    ) -> tuple[float, float, float]:
+    """Mean of a ``[seeds, items]`` table of paired differences and its bootstrap interval:
+    ``(mean, low, high)``.
+
+    Each row is one training seed, each column one held-out item, each cell the difference of
+    two models on that item (e.g. 1 - 0 for a hit and a miss). Seeds and items are both
+    samples, so both are resampled, independently (a crossed bootstrap, percentile interval);
+    with one seed it reduces to the usual paired bootstrap over items.
+
+    >>> mean, lo, hi = paired_interval([[1, 0, 0, 1], [0, 0, 1, 1]])
+    >>> mean, lo <= mean <= hi
+    (0.5, True)
+    """
+    import numpy as np
+
+    d = np.asarray(flat_rows(diffs), dtype=float)  # [S, N]
+    rng = np.random.default_rng(seed)
+    s, n = d.shape
+    means = np.empty(draws)
+    for k in range(draws):
+        rows = rng.integers(0, s, s)
+        cols = rng.integers(0, n, n)
+        means[k] = d[np.ix_(rows, cols)].mean()
+    tail = 100 * (1 - level) / 2
+    lo, hi = np.percentile(means, [tail, 100 - tail])
+    return float(d.mean()), float(lo), float(hi)
+
+
+def flat_rows(rows: Any) -> list[list[float]]:
+    """A 2-D table (nested lists, a tensor or an array) as a list of float rows."""
+    if isinstance(rows, torch.Tensor):
+        return rows.detach().double().tolist()
+    return [flat(r) for r in rows]
+
+
+def log_slope(x: Any, y: Any) -> float:
+    """The least-squares slope of ``log y`` against ``log x`` (2 for ``y ~ x^2``).
+
+    >>> round(log_slope([1, 2, 4], [3, 12, 48]), 12)
+    2.0
+    """
+    import numpy as np
+
+    return float(np.polyfit(np.log(flat(x)), np.log(flat(y)), 1)[0])

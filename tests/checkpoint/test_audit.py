@@ -165,7 +165,7 @@ def test_one_median_in_the_table_the_summary_line_the_json_and_the_report(minilm
     same in the CLI table, ``--json`` and the report's table; the summary line, the JSON
     summary and the report's claim read the same median over all 72 heads."""
     from attnid.checkpoint.audit import audit
-    from attnid.report.pretrained import Outcome, _claims, _markdown, audit_rows
+    from attnid.report.pretrained import audit_claim, audit_rows, audit_text
 
     monkeypatch.setenv("COLUMNS", "250")
     rows, out = _cli_table(capsys, minilm)
@@ -191,8 +191,7 @@ def test_one_median_in_the_table_the_summary_line_the_json_and_the_report(minilm
         assert getattr(rep.summary, f"imbalance_{side}_median") == pytest.approx(want, rel=1e-12)
         assert f"imbalance_{side} median {want:.3f} max {max(every[side]):.3f}" in out, out
     # the report's text and its first claim quote the same medians
-    o = Outcome("AdamW", 1, 0.0, {"qk": 0.1, "vo": 0.1}, {"qk": 0.1, "vo": 0.1}, 1.0, 0.5, 0.5, 0.5, 1.0)
-    text, evidence = _markdown(rep, [o], 0.5, 1, 1, 2), _claims(rep, o, o, o, 0.5)[0]["evidence"]
+    text, evidence = audit_text(rep), audit_claim(rep).evidence  # the section's text holds audit_text
     for side in ("qk", "vo"):
         quoted = f"imbalance_{side} median {float(np.median(every[side])):.3f}"
         assert quoted in text and quoted in evidence, (quoted, text, evidence)

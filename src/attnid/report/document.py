@@ -34,7 +34,14 @@ class Claim:
 @dataclass(frozen=True)
 class Figure:
     path: Path  # a PNG
-    caption: str  # one or two sentences: what to see
+    caption: str  # what to see, with the numbers behind it
+    alt: str = ""  # what the image shows, for who cannot see it (default: the caption's first sentence)
+
+    @property
+    def alt_text(self) -> str:
+        """The alt text: ``alt``, or the caption's first sentence; never the file name."""
+        text = self.alt or self.caption.split(". ")[0].rstrip(".")
+        return " ".join(text.split())
 
 
 @dataclass(frozen=True)
@@ -158,9 +165,18 @@ def render_markdown(title: str, intro: str, sections: list[Section], status: str
                       f"All columns: `tables/{t.stem}.csv` (also `.json`, `.md`).", ""]
         for f in s.figures:
             figure_no += 1
-            lines += [f"![Figure {figure_no}: {f.path.stem}](figures/{f.path.name})", "",
+            lines += [f"![Figure {figure_no}: {_alt(f.alt_text)}](figures/{f.path.name})", "",
                       f"*Figure {figure_no}.* {f.caption}", ""]
     return "\n".join(lines) + "\n"
+
+
+def _alt(text: str) -> str:
+    """Text for an image description: Markdown markup escaped (CommonMark keeps only the plain
+    text of the description as the ``alt`` attribute), brackets included."""
+    text = _inline(text)
+    for ch in ("[", "]"):
+        text = text.replace(ch, "\\" + ch)
+    return text
 
 
 def _inline(text: str) -> str:

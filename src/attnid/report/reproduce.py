@@ -101,6 +101,16 @@ def figure1(rows: list[dict], path: Path) -> Path:
     return path
 
 
+def figure1_caption(rows: list[dict]) -> str:
+    """Fig. 1's caption, from the rows it plots."""
+    on = sum(math.isclose(r["unidentified_arbiter"] / r["params"], 1 / (2 * r["heads"])) for r in rows)
+    widths = sorted({r["d_model"] for r in rows})
+    text = (f"Unidentified share of a plain attention layer against its number of heads. The arbiter's "
+            f"counts (markers, one per width: d_model {', '.join(map(str, widths))}) lie on the closed form "
+            f"1/(2H) in {on} of {len(rows)} cells")
+    return text + (": the share depends on H only." if on == len(rows) else ".")
+
+
 # ---- Table 2: biases --------------------------------------------------------------------
 def table2(d: int) -> tuple[list[dict], list[Claim]]:
     rows = []
@@ -290,9 +300,9 @@ def table1_section(ctx: Context) -> Section:
                           {"d_model": "d_model", "heads": "H", "params": "params",
                            "unidentified_theory": "unid. (theory)", "unidentified_arbiter": "unid. (arbiter)",
                            "ratio_theory": "ratio", "one_over_2H": "1/(2H)", "agree": "agree"}),),
-                   (Figure(fig1, "Unidentified share of a plain attention layer against its number of heads. "
-                            "The arbiter's counts (markers, one per width) lie on the closed form 1/(2H) "
-                            "for every width: the share depends on H only."),),
+                   (Figure(fig1, figure1_caption(rows),
+                           "Unidentified share against the number of heads: a 1/(2H) curve and the "
+                           "arbiter's count for each width as hollow markers."),),
                    tuple(claims))
 
 

@@ -13,13 +13,15 @@ from pathlib import Path
 
 import numpy as np
 from matplotlib.figure import Figure as MplFigure
-from matplotlib.ticker import FixedLocator, NullFormatter, NullLocator
+from matplotlib.ticker import NullFormatter
 
+from attnid.report import second_order
 from attnid.report.document import Claim, Figure, Section, Table
-from attnid.stats import median, medians
+from attnid.report.second_order import lr_axis
+from attnid.stats import log_slope, median, medians
 from attnid.symmetry.conserved import flat_key
 from attnid.theory import count
-from attnid.train.experiment import PAPER_CASES, SWEEP_LRS, VARIANTS, ExperimentData, RunData, title
+from attnid.train.experiment import PAPER_CASES, VARIANTS, ExperimentData, title
 from attnid.weights import SIDES, Side
 
 SECTION = "Training"
@@ -97,18 +99,7 @@ def drift_fit(data: ExperimentData, sweep: list[str], side: Side, *, first: bool
     lrs = np.array([float(c.removeprefix("sweep_lr")) for c in sweep])
     pick = (lambda d: d[0].mean()) if first else (lambda d: d[1:].mean())
     drift = np.array([pick(data.runs[c].side(side).drift) for c in sweep])
-    slope = float(np.polyfit(np.log(lrs), np.log(drift), 1)[0])
-    return lrs, drift, slope
-
-
-def _lr_axis(ax, lrs) -> None:
-    """A log lr axis with one readable tick per learning rate."""
-    ax.set_xscale("log")
-    ax.xaxis.set_major_locator(FixedLocator(sorted(lrs)))
-    ax.xaxis.set_major_formatter(lambda x, _: f"{x:g}")
-    ax.xaxis.set_minor_locator(NullLocator())
-    ax.xaxis.set_minor_formatter(NullFormatter())
-    ax.set_xlabel("learning rate")
+    return lrs, drift, log_slope(lrs, drift)
 
 
 def fig4(data: ExperimentData, sweep: list[str], side: Side, path: Path) -> float:
@@ -116,6 +107,10 @@ def fig4(data: ExperimentData, sweep: list[str], side: Side, path: Path) -> floa
     a, b = fig.subplots(1, 2)
     for c in sweep:
         a.plot(data.runs[c].step, data.runs[c].side(side).drift.mean(1), lw=1, label=title(c))
+    floor = second_order.floor_line(data, side)
+    for ax in (a, b):
+        if floor is not None:
+            ax.axhline(floor, color="grey", ls=":", lw=1.2, label="float32 rounding floor ε32·(‖G_L‖+‖G_R‖)")
     a.set_yscale("log")
     a.set_xlabel("step")
     a.set_ylabel(f"{flat_key('drift', side)} of one step (mean over heads)")
@@ -130,96 +125,14 @@ def fig4(data: ExperimentData, sweep: list[str], side: Side, path: Path) -> floa
         b.plot(sp.lr, sp.drift[side], "^-",
                label=f"one float64 step from the same weights: slope {sp.slope[side]:.3f}")
     b.set_yscale("log")
-    _lr_axis(b, lrs)
+    lr_axis(b, lrs)
     b.set_ylabel(flat_key("drift", side))
     b.set_title("drift against lr (theory: slope 2)", fontsize=10)
-    fig.legend(*b.get_legend_handles_labels(), loc="lower right", fontsize=8, bbox_to_anchor=(0.99, 0.0))
-    fig.tight_layout(rect=(0, 0.12, 1, 1))
+    handles, labels = b.get_legend_handles_labels()
+    fig.legend(handles[1:], labels[1:], loc="lower right", fontsize=8, bbox_to_anchor=(0.99, 0.0))
+    fig.tight_layout(rect=(0, 0.14, 1, 1))
     _save(fig, path)
     return slope
-
-
-def fig5_second_order(data: ExperimentData, path: Path) -> Path:
-    """Why beta_qk moves under SGD on RoPE and GQA: second order in the step, not a wrong
-    conserved quantity."""
-    fig = MplFigure(figsize=(15, 4.4))
-    a, b, c = fig.subplots(1, 3)
-    colors = dict(zip(VARIANTS, ("tab:blue", "tab:orange", "tab:green"), strict=True))
-    for prefix, label in VARIANTS.items():
-        sp = data.same_point.get(prefix)
-        if sp is None:
-            continue
-        a.plot(sp.lr, sp.drift["qk"], "o-", color=colors[prefix],
-               label=f"{label}: C_QK, slope {sp.slope['qk']:.2f}")
-        if prefix:
-            a.plot(sp.lr, sp.drift_qk_naive, "x--", color=colors[prefix],
-                   label=f"{label}: per-head unprojected, slope {sp.slope_qk_naive:.2f}")
-        run = data.runs.get(prefix + "sgd")
-        if run is not None:
-            b.scatter(run.update_norm_layers.ravel() ** 2, _per_layer_max(run.qk.drift, run).ravel(),
-                      s=8, alpha=0.6, color=colors[prefix], label=label)
-            bound = np.cumsum(run.qk.update_sq[1:].sum(1))
-            moved = np.abs(run.qk.beta[1:] - run.qk.beta[0]).max(1)
-            c.plot(run.step[1:], moved, color=colors[prefix], label=f"{label}: max |Δbeta_qk| over heads")
-            c.plot(run.step[1:], bound, color=colors[prefix], ls=":",
-                   label=f"{label}: bound Σ||Δw_QK||² (all layers)")
-    a.set_yscale("log")
-    _lr_axis(a, SWEEP_LRS)
-    a.set_ylabel("drift of one float64 step")
-    a.set_title("one SGD step from the trained weights", fontsize=10)
-    a.legend(fontsize=7)
-    lim = np.array(b.get_xlim())
-    b.plot(lim, lim, "k--", lw=0.8, label="drift = ||Δw||²")
-    b.set_xscale("log")
-    b.set_yscale("log")
-    b.set_xlabel("||Δw||² of the logged step (whole layer)")
-    b.set_ylabel("drift_qk of that step (max over heads)")
-    b.set_title("SGD lr 0.25, every logged step", fontsize=10)
-    b.legend(fontsize=7)
-    c.set_yscale("log")
-    c.set_xlabel("step")
-    c.set_ylabel("change since step 1")
-    c.set_title("SGD lr 0.25: beta_qk moved vs its bound", fontsize=10)
-    c.legend(fontsize=6)
-    fig.tight_layout()
-    return _save(fig, path)
-
-
-def second_order_text(data: ExperimentData) -> str:
-    """The evidence on SGD's beta_qk drift, per variant, in numbers (Markdown)."""
-    lines = ["**Why SGD's beta_qk moves on RoPE and GQA.** Gradient flow conserves C exactly; an SGD "
-             "step of size lr changes it by a term of order lr² ||g||², never of order lr (rho_qk ≈ 0 says "
-             "the update has no orbit part). The runs below show that this second-order term is what "
-             "moves beta_qk, and that beta is the right conserved quantity for RoPE and GQA:", ""]
-    for prefix, label in VARIANTS.items():
-        run, sp = data.runs.get(prefix + "sgd"), data.same_point.get(prefix)
-        if run is None:
-            continue
-        beta = run.qk.beta.mean(1)  # [S]
-        jump = int(np.argmax(np.abs(np.diff(beta)))) + 1 if len(beta) > 1 else 0
-        at_jump = float(run.update_norm_max[jump].max())
-        typical = median(run.update_norm_max[1:].max(1)) if len(beta) > 1 else at_jump
-        text = (f"- {label}, SGD lr 0.25: mean beta_qk {beta[0]:.4g} -> {beta[-1]:.4g} "
-                f"({100 * (beta[-1] - beta[0]) / beta[0]:+.1f}%); sum of squared QK steps "
-                f"{run.qk.update_sq[1:].sum():.3g}; largest change of beta between steps "
-                f"{run.step[jump - 1]:.0f} and {run.step[jump]:.0f}, where the largest single update "
-                f"norm was {at_jump:.3g} (median over intervals {typical:.3g}).")
-        if sp is not None:
-            text += (f" One float64 step from the trained weights: drift slope against lr "
-                     f"{sp.slope['qk']:.3f}")
-            if prefix:
-                text += f" (the unprojected per-head quantity: {sp.slope_qk_naive:.3f}, first order)"
-            text += "."
-        lines.append(text)
-    lines += ["", "So the claim is stated as a bound that is true and checkable: SGD changes beta_qk only "
-              "at second order, |Δbeta| <= Σ_t ||Δw_QK,t||² per head, and one step's change grows like lr²."]
-    return "\n".join(lines)
-
-
-def _per_layer_max(per_head: np.ndarray, run: RunData) -> np.ndarray:
-    """``[S, L*G] -> [S, L]``: the largest value over each layer's groups."""
-    n_layers = run.update_norm_layers.shape[1]
-    return per_head.reshape(per_head.shape[0], n_layers, -1).max(2)
 
 
 # ---- claims -----------------------------------------------------------------------------------
@@ -229,14 +142,16 @@ class Thresholds:
 
     sgd_rho_vs_adam: float = 1e-3  # SGD's median rho below this fraction of AdamW's
     share_factor: float = 10.0  # AdamW's median rho within this factor of the tangent share
-    slope: tuple[float, float] = (1.8, 2.2)  # same-point drift slope against lr: second order
-    naive_slope_max: float = 1.5  # the wrong quantity's slope: first order
     loss_noise_sigmas: float = 3.0  # rebalancing: loss within this many noise sigmas ...
     loss_relative: float = 0.02  # ... plus this fraction of the loss
     sawtooth_floor: float = 0.05  # rebalanced beta falls below this fraction of its maximum
     key_bias_zero: float = 1e-4  # float32: "numerically zero" relative to the query-bias gradient
     key_bias_alive: float = 1e-2  # under full RoPE: clearly not zero
     projection_rho: float = 1e-6  # rho left by the project correction
+    isotropic: float = 0.1  # an isotropic update's rho within this fraction of the tangent share
+    gradient_rho: float = 1e-8  # the gradient's own rho: zero up to the solver's tolerance
+    momentum_share: float = 0.5  # momentum alone: below this fraction of the update's rho
+    preconditioner_factor: float = 2.0  # g / sqrt(v) alone: within this factor of the update's rho
 
 
 LIMITS = Thresholds()
@@ -247,49 +162,10 @@ def _tail(x: np.ndarray, frac: float = 0.2) -> float:
     return float(np.mean(x[-n:]))
 
 
-def second_order_ratio(run: RunData, n_layers: int) -> tuple[float, float, float]:
-    """For an SGD run: (per-head |beta_last - beta_first| of the head nearest its bound, the
-    layer's bound
-    ``sum_t ||Δw_QK,t||^2`` over the same steps, the ratio moved / bound maximised over heads)."""
-    moved = np.abs(run.qk.beta[-1] - run.qk.beta[0])  # [L*G], from after step 1 to the end
-    bound_layers = run.qk.update_sq[1:].sum(0)  # [L]: every step after the first
-    bound = np.repeat(bound_layers, moved.size // n_layers)  # [L*G]
-    ratio = moved / np.maximum(bound, 1e-300)
-    i = int(np.argmax(ratio))
-    return float(moved[i]), float(bound[i]), float(ratio[i])
-
-
-def _second_order_claims(data: ExperimentData, prefix: str, add) -> None:
-    sgd = data.runs[prefix + "sgd"]
-    n_layers = sgd.update_norm_layers.shape[1]
-    b0, b1 = sgd.qk.beta[0].mean(), sgd.qk.beta[-1].mean()
-    moved, bound, ratio = second_order_ratio(sgd, n_layers)
-    add("SGD changes beta_qk only at second order: every head's |Δbeta_qk| over the run is at most "
-        "the sum of its layer's squared QK updates, sum_t ||Δw_QK,t||^2",
-        ratio <= 1.0,
-        f"mean beta_qk {b0:.4g} -> {b1:.4g} ({100 * (b1 - b0) / b0:+.1f}%); worst head moved "
-        f"{moved:.3g} against a bound of {bound:.3g} (ratio {ratio:.3g})")
-    sp = data.same_point.get(prefix)
-    if sp is None:
-        return
-    lo, hi = LIMITS.slope
-    holds = lo <= sp.slope["qk"] <= hi and lo <= sp.slope["vo"] <= hi
-    evidence = f"slope QK {sp.slope['qk']:.3f}, VO {sp.slope['vo']:.3f}"
-    claim = ("one float64 SGD step from the trained weights changes C like lr^2 (slope 2), "
-             "C_QK by at most ||lr g_QK||^2")
-    if prefix:
-        holds = holds and sp.slope_qk_naive <= LIMITS.naive_slope_max
-        claim += "; the per-head unprojected quantity, which ignores RoPE/GQA, changes like lr (slope 1)"
-        evidence += f"; unprojected per-head QK quantity: slope {sp.slope_qk_naive:.3f}"
-    step_ok = all(d <= s for d, s in zip(sp.drift["qk"], sp.step_sq_qk, strict=True))
-    add(claim, holds and step_ok,
-        evidence + f"; drift / ||lr g_QK||^2 at lr 0.25: "
-                   f"{sp.drift['qk'][1] / sp.step_sq_qk[1]:.3f}")
-
-
 def claims(data: ExperimentData, prefix: str = "", share: float | None = None,
            key_bias_free: bool = True) -> list[Claim]:
-    """The paper's qualitative training claims on one variant, each checked against the runs."""
+    """The paper's qualitative training claims on one variant, each checked against the runs,
+    and the second-order claims (`attnid.report.second_order`) on both sides."""
     runs, n_heads = data.runs, data.n_heads
     sgd, wd = runs[prefix + "sgd"], runs[prefix + "sgd_wd"]
     adam, reb = runs[prefix + "adamw"], runs[prefix + "adamw_rebalance"]
@@ -303,7 +179,7 @@ def claims(data: ExperimentData, prefix: str = "", share: float | None = None,
     add("SGD without weight decay moves (numerically) nothing along the QK orbit",
         rho_sgd < LIMITS.sgd_rho_vs_adam * rho_adam,
         f"median rho_qk: SGD {rho_sgd:.2e}, AdamW {rho_adam:.2e}")
-    _second_order_claims(data, prefix, add)
+    second_order.claims(data, prefix, add)
     b1, bw = sgd.qk.beta[-1].mean(), wd.qk.beta[-1].mean()
     add("weight decay makes beta_qk shrink", bw < b1, f"final mean beta_qk: SGD {b1:.4g}, SGD+wd {bw:.4g}")
     target = 1 / (2 * n_heads) if share is None else share
@@ -324,8 +200,7 @@ def claims(data: ExperimentData, prefix: str = "", share: float | None = None,
         bm.min() < LIMITS.sawtooth_floor * bm.max() and bm[-1] > bm.min(),
         f"rebalanced mean beta_qk: min {bm.min():.3g}, max {bm.max():.3g}")
     if adam.grad_norm_bk is not None:
-        bk = float(np.max(np.abs(adam.grad_norm_bk)))
-        bq = median(np.abs(adam.grad_norm_bq))
+        bk, bq = _bias_grads(data, [prefix + c for c in ("adamw",)])
         if key_bias_free:  # float32 training: "numerically zero" is ~1e-7 relative
             add("the key-bias gradient is numerically zero, the query-bias gradient is not",
                 bk < LIMITS.key_bias_zero * bq, f"max |grad b_K| {bk:.2e}, median |grad b_Q| {bq:.2e}")
@@ -333,6 +208,40 @@ def claims(data: ExperimentData, prefix: str = "", share: float | None = None,
             add("under full RoPE the key bias is identified: its gradient is not zero",
                 bk > LIMITS.key_bias_alive * bq, f"max |grad b_K| {bk:.2e}, median |grad b_Q| {bq:.2e}")
     return out
+
+
+def _bias_grads(data: ExperimentData, cases: list[str]) -> tuple[float, float]:
+    """(max |grad b_K|, median |grad b_Q|) over every logged step and head of ``cases``."""
+    runs = [data.runs[c] for c in cases if data.runs[c].grad_norm_bk is not None]
+    return (float(max(np.max(np.abs(r.grad_norm_bk)) for r in runs)),
+            median([np.abs(r.grad_norm_bq) for r in runs]))
+
+
+def anatomy_claims(data: ExperimentData) -> list[Claim]:
+    """Where AdamW's orbit motion comes from (`attnid.train.drift.update_anatomy`)."""
+    a = data.anatomy
+    if a is None:
+        return []
+    spec = data.configs["adamw"].model.attention_spec()
+    share = {side: tangent_share(spec, side) for side in SIDES}
+    iso, upd = a.rho["isotropic"], a.rho["AdamW update"]
+    pre, mom, grad = a.rho["preconditioned gradient"], a.rho["momentum"], a.rho["gradient"]
+    f = LIMITS.preconditioner_factor
+    return [
+        Claim(SECTION, "an isotropic random update's tangent share rho is the orbit dimension over the "
+                       "parameter count of its side",
+              all(abs(iso[s] - share[s]) <= LIMITS.isotropic * share[s] for s in SIDES),
+              "; ".join(f"{s.upper()}: median rho {iso[s]:.4f} (mean of 3 draws), orbit dim / params "
+                        f"{share[s]:.4f}" for s in SIDES)),
+        Claim(SECTION, "AdamW's orbit motion comes from its per-coordinate preconditioner: the gradient "
+                       "is orbit-free, the momentum alone carries less than half of AdamW's rho, g / "
+                       "sqrt(v) alone "
+                       "about all of it",
+              all(grad[s] < LIMITS.gradient_rho and mom[s] < LIMITS.momentum_share * upd[s]
+                  and upd[s] / f <= pre[s] <= f * upd[s] for s in SIDES),
+              "; ".join(f"{s.upper()} median rho: update {upd[s]:.3g}, g/sqrt(v) {pre[s]:.3g}, momentum "
+                        f"{mom[s]:.2g}, gradient {grad[s]:.1g}" for s in SIDES)),
+    ]
 
 
 def sweep_claim(data: ExperimentData, sweep: list[str]) -> Claim:
@@ -348,11 +257,18 @@ def sweep_claim(data: ExperimentData, sweep: list[str]) -> Claim:
                  f"at step 1 in float32 QK {s1['qk']:.2f}, VO {s1['vo']:.2f}")
 
 
-def qk_share(spec) -> float:
-    """Tangent share of the QK side's parameters (what an isotropic update's rho averages)."""
+def tangent_share(spec, side: Side = "qk") -> float:
+    """Orbit dimension over the parameter count of one side (what an isotropic update's rho
+    averages): QK gauge and key-bias translation; VO gauge and value-bias translation."""
     comps = count(spec).components
-    parts = [comps[k] for k in ("qk_gauge", "key_bias_translation") if k in comps]
+    keys = ("qk_gauge", "key_bias_translation") if side == "qk" else ("vo_gauge", "value_bias_translation")
+    parts = [comps[k] for k in keys if k in comps]
     return sum(p.unidentified for p in parts) / sum(p.params for p in parts)
+
+
+def qk_share(spec) -> float:
+    """Tangent share of the QK side's parameters (:func:`tangent_share` of the QK side)."""
+    return tangent_share(spec, "qk")
 
 
 def summary_rows(data: ExperimentData) -> list[dict]:
@@ -366,41 +282,191 @@ def summary_rows(data: ExperimentData) -> list[dict]:
             "median_rho_vo": median(r.vo.rho[1:]),
             "beta_qk_first": float(r.qk.beta[0].mean()),
             "beta_qk_last": float(r.qk.beta[-1].mean()),
+            "beta_vo_first": float(r.vo.beta[0].mean()),
+            "beta_vo_last": float(r.vo.beta[-1].mean()),
             "beta_vo_change": float(r.vo.beta[-1].mean() - r.vo.beta[0].mean()),
             "final_tau_qk": float(r.qk.tau[-1].mean()),
             "sum_update_sq_qk": float(r.qk.update_sq[1:].sum()),
+            "sum_update_sq_vo": float(r.vo.update_sq[1:].sum()),
         })
     return rows
 
 
 SUMMARY_COLUMNS = {"case": "run", "final_train_loss": "train loss", "final_val_loss": "val loss",
                    "median_rho_qk": "rho_qk", "median_rho_vo": "rho_vo", "beta_qk_first": "beta_qk first",
-                   "beta_qk_last": "beta_qk last", "sum_update_sq_qk": "Σ‖Δw_QK‖²"}
+                   "beta_qk_last": "beta_qk last", "beta_vo_change": "Δbeta_vo",
+                   "sum_update_sq_qk": "Σ‖Δw_QK‖²", "sum_update_sq_vo": "Σ‖Δw_VO‖²"}
 
 
+# ---- captions (every number in them computed from the data) --------------------------------------
+def caption_fig2_qk(data: ExperimentData) -> str:
+    sgd, adam = data.runs["sgd"], data.runs["adamw"]
+    spec = data.configs["adamw"].model.attention_spec()
+    share = tangent_share(spec, "qk")
+    rho_sgd, rho_adam = median(sgd.qk.rho[1:]), median(adam.qk.rho[1:])
+    _, _, rel = second_order.change(sgd, "qk")
+    _, _, rel_adam = second_order.change(adam, "qk")
+    text = (f"The paper's Fig. 2. SGD's rho_qk stays at numerical zero (median {rho_sgd:.1g}) and its mean "
+            f"beta_qk moves {100 * rel:+.1f}%; AdamW's median rho_qk is {rho_adam:.3g}, "
+            f"{rho_adam / share:.2f} of the share an isotropic update would have (orbit dimension over QK "
+            f"parameters, {share:.3g}; dashed: 1/(2H) = {1 / (2 * data.n_heads):.3g})")
+    a = data.anatomy
+    if a is not None:
+        text += (f": AdamW's update is the gradient (rho {a.rho['gradient']['qk']:.0e}) rescaled coordinate "
+                 f"by coordinate by 1/sqrt(v), and that rescaling alone gives rho "
+                 f"{a.rho['preconditioned gradient']['qk']:.3g} (momentum alone "
+                 f"{a.rho['momentum']['qk']:.2g}, an isotropic direction {a.rho['isotropic']['qk']:.3g})")
+    return text + (f"; AdamW's beta_qk drifts {100 * rel_adam:+.0f}%; rebalancing turns beta_qk into a "
+                   f"sawtooth "
+                   "without changing the loss (its rebalancing steps are pure orbit moves: rho = 1 and a "
+                   f"spike in the update norm). Lines are means (rho: median) over heads; {BAND}.")
+
+
+def caption_fig2_vo(data: ExperimentData) -> str:
+    sgd, wd, adam = data.runs["sgd"], data.runs["sgd_wd"], data.runs["adamw"]
+    b0, b1, rel = second_order.change(sgd, "vo")
+    rel_qk = second_order.change(sgd, "qk")[2]
+    _, _, rel_wd = second_order.change(wd, "vo")
+    _, _, rel_adam = second_order.change(adam, "vo")
+    t = second_order.tau_balance(sgd, "vo")
+    flat = abs(rel) < second_order.MOVED
+    head = ("The value/output side. SGD's beta_vo stays flat" if flat else
+            "The value/output side. " + ("Unlike QK (" + f"{100 * rel_qk:+.2f}%), " if abs(rel_qk) < abs(rel)
+                                         else "") + "SGD's beta_vo is not flat")
+    return (f"{head}: its mean goes from {b0:.3g} to {b1:.3g} ({100 * rel:+.1f}%; with weight decay "
+            f"{100 * rel_wd:+.1f}%, AdamW {100 * rel_adam:+.1f}%) while rho_vo stays at numerical zero "
+            f"(median {median(sgd.vo.rho[1:]):.1g}). What moves it is SGD's second-order term: tau_vo moves "
+            f"by "
+            f"{t.measured.mean():+.3g} per head, and the accumulated Σ trace C_VO(Δw) over the steps is "
+            f"{t.second_order.mean():+.3g} (the claims and the last figures of this section measure it). "
+            f"AdamW's rho_vo (median {median(adam.vo.rho[1:]):.3g}) and rebalancing's sawtooth are as on QK.")
+
+
+def caption_fig3(data: ExperimentData) -> str:
+    bk, bq = _bias_grads(data, list(PAPER_CASES))
+    return (f"The paper's Fig. 3: the key-bias gradient (right) stays at float32 rounding level in every "
+            f"case (largest {bk:.1e}), {np.log10(bq / bk):.0f} orders below the query-bias gradient "
+            f"(left, median {bq:.1e}), on the same scale.")
+
+
+def caption_fig4(data: ExperimentData, sweep: list[str], side: Side, slope: float) -> str:
+    text = (f"The paper's Fig. 4 ({side.upper()}). Left: drift of one step along the run for each SGD lr. "
+            f"Right: against lr; whole runs give slope {slope:.2f} because each lr follows its own "
+            "trajectory; one float64 step from the same weights gives slope "
+            f"{data.same_point[''].slope[side]:.3f}." if "" in data.same_point else ".")
+    floor = second_order.floor_line(data, side)
+    if floor is None:
+        return text
+    at_floor = [c for c in sweep if median(data.runs[c].side(side).drift[1:].mean(1))
+                <= second_order.LIMITS.floor_factor * floor]
+    lrs, d1, _ = drift_fit(data, sweep, side, first=True)
+    near = second_order.LIMITS.floor_factor * floor
+    first = [f"{lr:g}" for lr, d in zip(lrs, d1, strict=True) if d <= near]
+    dotted = f" Dotted: float32 rounding floor ε32·(‖G_L‖+‖G_R‖) = {floor:.2g}"
+    if not at_floor and not first:
+        return text + dotted + ": every series stays above it."
+    parts = []
+    if first:
+        parts.append(f"the float32 step-1 values at lr {', '.join(first)}")
+    if at_floor:
+        parts.append("the whole " + ", ".join(title(c) for c in at_floor) + (" curves" if len(at_floor) > 1
+                                                                               else " curve"))
+    return (text + dotted + f"; {' and '.join(parts)} sit within {second_order.LIMITS.floor_factor:g}× of "
+                            f"it: "
+            "rounding noise, not drift (a float32 step too small to drift reports "
+            f"{data.same_point[''].floor32[side]:.2g} there, the same step in float64 "
+            f"{data.same_point[''].tiny64[side]:.1g}).")
+
+
+def caption_fig5(data: ExperimentData) -> str:
+    worst = {side: max(second_order.second_order_ratio(data.runs[p + "sgd"], side,
+                                                       second_order.rounding_allowance(data, p, side))[2]
+                       for p in VARIANTS if p + "sgd" in data.runs) for side in SIDES}
+    slopes = {side: [sp.slope[side] for sp in data.same_point.values()] for side in SIDES}
+    naive = [sp.slope_qk_naive for p, sp in data.same_point.items() if p]
+    text = ("Second order, both sides (top QK, bottom VO). Left: one float64 step from the trained weights "
+            f"drifts C like lr² (slopes {min(slopes['qk'] + slopes['vo']):.3f} to "
+            f"{max(slopes['qk'] + slopes['vo']):.3f}), below its bound ||lr g||² (dotted)")
+    if naive:
+        text += (f"; the unprojected per-head QK quantity, which ignores RoPE/GQA, drifts like lr (slopes "
+                 f"{min(naive):.2f} to {max(naive):.2f}), so beta is the right conserved quantity")
+    return text + (". Middle: every logged SGD step's drift against that step's squared update, below "
+                   "drift = ||Δw||² (dotted: the float32 rounding floor). Right: what the bound claim "
+                   "checks, "
+                   "per head against its own layer's Σ||Δw_side||² since step 1 plus the float32 rounding of "
+                   f"beta, the largest over heads: it stays below 1 (largest at the end: QK "
+                   f"{worst['qk']:.2g}, VO {worst['vo']:.2g}).")
+
+
+def caption_fig6(data: ExperimentData) -> str:
+    t = {p: second_order.tau_balance(data.runs[p + "sgd"], "vo") for p in VARIANTS if p + "sgd" in data.runs}
+    adam = second_order.tau_balance(data.runs["adamw"], "vo")
+    text = ("beta_vo under SGD. Left: Δtau_vo (lines) and the accumulated Σ trace C_VO(Δw) of the steps "
+            f"(circles) coincide for every SGD run (largest mismatch "
+            f"{max(x.mismatch for x in t.values()):.0e} "
+            f"of the change); for AdamW (red) they do not (mismatch {adam.mismatch:.2g}): its steps are "
+            "not gradient steps.")
+    sp = data.same_point.get("")
+    if sp is not None and sp.flow is not None:
+        text += (f" Middle: gradient descent from the trained weights for the same time lr·steps = "
+                 f"{sp.flow.time:g}: the drift per unit of time falls like lr (slopes QK "
+                 f"{sp.flow.slope['qk']:.2f}, VO {sp.flow.slope['vo']:.2f}; dotted: slope 1), to 0 in the "
+                 "gradient-flow limit.")
+    lrs, per_time = second_order.sweep_per_time(data, "vo")
+    if lrs:
+        text += (" Right: beta_vo along the whole sweep runs against time lr·step; per unit of time it "
+                 f"moves {per_time[0]:.2g} at lr {lrs[0]:g} and {per_time[-1]:.2g} at lr {lrs[-1]:g}.")
+    return text
+
+
+def caption_variant(data: ExperimentData, prefix: str) -> str:
+    sgd = data.runs[prefix + "sgd"]
+    _, _, rel = second_order.change(sgd, "qk")
+    _, _, rel_vo = second_order.change(sgd, "vo")
+    j = second_order.biggest_jump(sgd, "qk")
+    text = (f"Fig. 2 repeated on the {VARIANTS[prefix]} variant (QK side). SGD's mean beta_qk moves "
+            f"{100 * rel:+.1f}% (beta_vo {100 * rel_vo:+.1f}%)")
+    if second_order.is_spike(j):
+        text += (f", most of it between steps {j.start} and {j.end}, where one update had norm "
+                 f"{j.update_norm:.2g} ({j.update_norm / j.typical:.0f}× the median): a loss spike")
+    return text + ("; all of it second order (the bound, the tau identity and the one-step slope are "
+                   "claims of this section; the last figures show them).")
+
+
+def caption_project(data: ExperimentData) -> str:
+    proj, adam = data.runs["adamw_project"], data.runs["adamw"]
+    rp = float(np.max(proj.qk.rho[1:]))
+    return (f"The project correction (bottom) removes the orbit part of every AdamW update: rho_qk drops "
+            f"to at most {rp:.0e} and the mean beta_qk moves "
+            f"{100 * second_order.change(proj, 'qk')[2]:+.1f}% "
+            f"(AdamW without it: {100 * second_order.change(adam, 'qk')[2]:+.0f}%); what moves is "
+            "second order in the step, as under SGD.")
+
+
+# ---- the section ------------------------------------------------------------------------------
 def _paper_figures(data: ExperimentData, figures: Path) -> list[Figure]:
     """Figs. 2-4 of the paper, on the plain (MHA) runs."""
     paper = list(PAPER_CASES)
     sweep = [n for n in data.runs if n.startswith("sweep_")]
     figs = [
         Figure(fig2(data, paper, "qk", figures / "fig2_qk.png", "Fig. 2 (QK side): the paper's four cases"),
-               "The paper's Fig. 2. SGD's rho_qk stays at numerical zero (about 1e-10) and its beta_qk "
-               "flat; AdamW's rho_qk sits near 1/(2H) and beta_qk drifts; rebalancing turns beta_qk into "
-               "a sawtooth without changing the loss (its rebalancing steps are pure orbit moves: rho = 1 "
-               f"and a spike in the update norm). Lines are means (rho: median) over heads; {BAND}."),
+               caption_fig2_qk(data),
+               "Grid of the four training cases (rows) against loss, update norm, rho_qk, beta_qk, tau_qk "
+               "and mu_qk (columns) over steps."),
         Figure(fig2(data, paper, "vo", figures / "fig2_vo.png", "Fig. 2 (VO side): the paper's four cases"),
-               "The same on the value/output side: the same pattern as QK."),
-        Figure(fig3(data, paper, figures / "fig3_bias_grads.png"),
-               "The paper's Fig. 3: the key-bias gradient (right) stays at float32 rounding level in "
-               "every case, many orders below the query-bias gradient (left) on the same scale."),
+               caption_fig2_vo(data),
+               "Grid of the four training cases against loss, update norm, rho_vo, beta_vo, tau_vo and "
+               "mu_vo over steps; beta_vo rises under SGD."),
+        Figure(fig3(data, paper, figures / "fig3_bias_grads.png"), caption_fig3(data),
+               "Per-head query-bias (left) and key-bias (right) gradient norms over steps, log scale, "
+               "one row per training case."),
     ]
     for side in SIDES:
-        slope = fig4(data, sweep, side, figures / f"fig4_drift_{side}.png")
-        figs.append(Figure(figures / f"fig4_drift_{side}.png",
-                           f"The paper's Fig. 4 ({side.upper()}). Left: drift of one step along the run "
-                           f"for each SGD lr. Right: against lr; whole runs give slope {slope:.2f} because "
-                           "each lr follows its own trajectory; one float64 step from the same weights "
-                           "gives slope 2."))
+        path = figures / f"fig4_drift_{side}.png"
+        slope = fig4(data, sweep, side, path)
+        figs.append(Figure(path, caption_fig4(data, sweep, side, slope),
+                           f"Left: drift_{side} per step along each SGD sweep run; right: drift_{side} "
+                           "against learning rate on log axes, with the float32 rounding floor dotted."))
     return figs
 
 
@@ -414,8 +480,9 @@ def _variant_parts(data: ExperimentData, figures: Path) -> tuple[list[Figure], l
             continue
         figs.append(Figure(fig2(data, cases, "qk", figures / f"fig2_qk_{prefix[:-1]}.png",
                                 f"The four cases on the {VARIANTS[prefix]} variant (QK side)"),
-                           f"Fig. 2 repeated on the {VARIANTS[prefix]} variant. Where SGD's beta_qk moves, "
-                           "the second-order figure at the end of this section shows why."))
+                           caption_variant(data, prefix),
+                           f"Grid of the four training cases on the {VARIANTS[prefix]} variant against loss, "
+                           "update norm and the QK metrics over steps."))
         spec = data.configs[prefix + "adamw"].model.attention_spec()
         free = spec.pass_dims > 0 and spec.qk_norm == "none"
         found += claims(data, prefix, share=qk_share(spec), key_bias_free=free)
@@ -427,8 +494,9 @@ def _projection_parts(data: ExperimentData, figures: Path) -> tuple[list[Figure]
         return [], []
     fig = Figure(fig2(data, ["adamw", "adamw_project"], "qk", figures / "fig_project.png",
                       "AdamW with and without the project correction"),
-                 "The project correction (bottom) removes the orbit part of every AdamW update: "
-                 "rho_qk drops to zero and beta_qk stays nearly flat, as under SGD.")
+                 caption_project(data),
+                 "Two rows, AdamW without and with the project correction, against loss, update norm and "
+                 "the QK metrics over steps.")
     rp = float(np.max(data.runs["adamw_project"].qk.rho[1:]))
     return [fig], [Claim(SECTION, "the project correction removes all orbit motion (rho_qk = 0)",
                          rp < LIMITS.projection_rho, f"max rho_qk with projection {rp:.2e}")]
@@ -439,16 +507,17 @@ def training_section(data: ExperimentData, figures: Path) -> Section:
     figures.mkdir(parents=True, exist_ok=True)
     figs = _paper_figures(data, figures)
     found = claims(data, share=qk_share(data.configs["adamw"].model.attention_spec()))
+    found += anatomy_claims(data)
     found.append(sweep_claim(data, [n for n in data.runs if n.startswith("sweep_")]))
     more_figs, more_claims = _variant_parts(data, figures)
     figs += more_figs
     found += more_claims
-    figs.append(Figure(fig5_second_order(data, figures / "fig5_second_order.png"),
-                       "Why SGD's beta_qk moves on RoPE and GQA. Left: one float64 step from the trained "
-                       "weights drifts C_QK like lr² (slope 2) for every variant, while the unprojected "
-                       "per-head quantity drifts like lr, so beta is the right conserved quantity. Middle: "
-                       "every logged step's drift is below ||Δw||². Right: over the run, beta moves far "
-                       "less than the sum of squared QK steps allows."))
+    figs.append(Figure(second_order.fig5(data, figures / "fig5_second_order.png"), caption_fig5(data),
+                       "Two rows (QK, VO) of three log-log panels: one-step drift against learning rate, "
+                       "per-step drift against squared update, and moved-over-bound ratio along the run."))
+    figs.append(Figure(second_order.fig6_vo(data, figures / "fig6_vo_drift.png"), caption_fig6(data),
+                       "Three panels: tau_vo change against the accumulated second-order term over steps; "
+                       "drift per unit time against learning rate; beta_vo change against time lr·step."))
     proj_figs, proj_claims = _projection_parts(data, figures)
     figs += proj_figs
     found += proj_claims
@@ -456,9 +525,9 @@ def training_section(data: ExperimentData, figures: Path) -> Section:
             "the four cases on a RoPE and a GQA variant, and AdamW with the project correction. "
             "rho: tangent (orbit) share of an update; beta = ||C||_F of the conserved quantity C; "
             "tau = trace C; mu: smallest Gram eigenvalues; drift: ||C_after - C_before||_F of one step.\n\n"
-            + second_order_text(data))
+            + second_order.text(data))
     table = Table("training_summary", summary_rows(data), SUMMARY_COLUMNS,
-                  notes=("rho: median over logged steps after the first; beta: mean over heads; "
-                         "Σ‖Δw_QK‖²: sum over all steps after the first of the squared QK update of each "
-                         "layer, summed over layers.",))
+                  notes=("rho: median over logged steps after the first; beta: mean over heads; Δbeta_vo: "
+                         "last minus first; Σ‖Δw_QK‖², Σ‖Δw_VO‖²: sum over all steps after the first of the "
+                         "squared update of each side of each layer, summed over layers.",))
     return Section("Training: the paper's Section 5 and beyond", text, (table,), tuple(figs), tuple(found))

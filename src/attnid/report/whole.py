@@ -4,8 +4,12 @@ and on tiny models whose discrete inputs change the count (docs/theory.md §13.1
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from attnid.adapters.config import bundled, load_config
 from attnid.adapters.registry import adapter_for
+from attnid.progress import Progress
 from attnid.report.document import Claim, Context, Section, Table
 
 QUICK = ("gpt2", "Llama-2-7b", "Qwen3-8B")  # LayerNorm + positions; RMSNorm; QK-norm
@@ -37,10 +41,10 @@ COUNT_COLUMNS = {"model": "model", "params": "parameters", "unidentified": "unid
 def whole_model_section(ctx: Context) -> Section:
     """The section for `attnid reproduce` (``ctx.quick`` checks 3 families)."""
     ctx.progress.stage("whole-model counts and their arbiter checks")
-    return run_section(ctx.quick)
+    return run_section(ctx.quick, ctx.progress)
 
 
-def run_section(quick: bool) -> Section:
+def run_section(quick: bool, progress: Progress | None = None) -> Section:
     """Counts of every closed-form bundled model; the arbiter on reduced configs (3 when quick)."""
     from attnid.whole.check import verify_whole, verify_whole_hf_config
     from attnid.whole.model import count_model
@@ -55,12 +59,16 @@ def run_section(quick: bool) -> Section:
                        "unidentified_ratio": c.ratio, "identified_share": 1 - c.ratio,
                        "exact": c.exact})
     checked = [n for n in bundled() if _closed(n) and (not quick or n in QUICK)]
-    found = [verify_whole_hf_config(name, confirm=not quick) for name in checked]
-    found += [verify_whole({**config, "pad_token_id": None, "bos_token_id": None,
-                            "eos_token_id": None}, label, confirm=not quick)
-              for label, config in DISCRETE.items()]
+    cases: list[tuple[str, Callable[[], Any]]] = [
+        (name, lambda n=name: verify_whole_hf_config(n, confirm=not quick)) for name in checked]
+    cases += [(label, lambda c=config, lb=label: verify_whole(
+        {**c, "pad_token_id": None, "bos_token_id": None, "eos_token_id": None}, lb, confirm=not quick))
+        for label, config in DISCRETE.items()]
     checks = []
-    for name, v in zip(checked + list(DISCRETE), (f.to_dict() for f in found), strict=True):
+    for i, (name, check) in enumerate(cases, start=1):
+        if progress is not None:
+            progress.line(f"  whole model {i}/{len(cases)}: {name}, closed form against the arbiter")
+        v = check().to_dict()
         checks.append({"model": name, "params": v["total"], "theory": v["unidentified_theory"],
                        "arbiter": v["unidentified_numeric"], "near_theory": v["near_unidentified_theory"],
                        "near_arbiter": v["near_unidentified_numeric"], "exact": v["exact"],

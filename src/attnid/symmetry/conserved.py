@@ -48,6 +48,12 @@ def group_norm(C: torch.Tensor, w: AttentionWeights, side: Side) -> torch.Tensor
     return C.norm(dim=-1) if _is_vector(w, side) else C.flatten(-2).norm(dim=-1)
 
 
+def group_trace(C: torch.Tensor, w: AttentionWeights, side: Side) -> torch.Tensor:
+    """Trace of a conserved quantity (or of a difference of two) of ``w``'s spec: ``[..., G]``
+    (QK-norm QK side: the sum of the vector, ``[...]``)."""
+    return C.sum(-1) if _is_vector(w, side) else C.diagonal(dim1=-2, dim2=-1).sum(-1)
+
+
 @dataclass(frozen=True)
 class SideMetrics:
     """The paper's metrics of one side, float64, per key/value group ``[..., G]`` (QK-norm
@@ -104,7 +110,7 @@ def metrics(before: AttentionWeights, after: AttentionWeights | None = None) -> 
         left, right = smallest_eigenvalues(point, side)
         sides[side] = SideMetrics(
             beta=group_norm(C, point, side),
-            tau=C.sum(-1) if _is_vector(point, side) else C.diagonal(dim1=-2, dim2=-1).sum(-1),
+            tau=group_trace(C, point, side),
             mu=left + right,
             drift=None if after is None else group_norm(C - conserved(before, side), point, side))
     return Metrics(**sides)

@@ -12,22 +12,18 @@ nothing. `attnid.report.training` turns the data into figures, tables and claims
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any
 
 import numpy as np
-import torch
 
 from attnid.errors import AttnidError
 from attnid.progress import Progress
-from attnid.symmetry import AttentionWeights, metrics
 from attnid.symmetry.conserved import flat_key
-from attnid.train.data import shakespeare
+from attnid.train.drift import Anatomy, SamePoint, same_point_drift, update_anatomy
 from attnid.train.loop import PRESETS, TrainConfig, train
-from attnid.train.model import GPT, GPTConfig
-from attnid.weights import SIDES, Side
+from attnid.train.model import GPTConfig
+from attnid.weights import Side
 
 
 @dataclass(frozen=True)
@@ -131,6 +127,7 @@ class SideSeries:
     mu: np.ndarray  # smallest Gram eigenvalues, summed
     drift: np.ndarray  # ||C_after - C_before||_F of the logged update
     update_sq: np.ndarray  # [S, L]: sum of the squared updates of this side since the last log
+    update_tau: np.ndarray  # [S, L*G]: sum of trace C(Δw) over the updates since the last log
 
 
 @dataclass(frozen=True)
@@ -175,83 +172,18 @@ def load_run(run_dir: Path) -> RunData:
                    col("grad_norm_bk") if "grad_norm_bk" in recs[0] else None)
 
 
-def _naive_qk(w: AttentionWeights) -> torch.Tensor:
-    """The QK quantity one would conserve if RoPE and GQA were ignored: per query head,
-    ``W~_Q^hT W~_Q^h - W~_K^gT W~_K^g`` (no commutant projection, no sum over the group):
-    ``[..., H, dk, dk]``. A control: gradient flow does *not* conserve it under RoPE or GQA,
-    so it drifts at first order in the step."""
-    s = w.spec
-    Q = w.W_Q if w.b_Q is None else torch.cat([w.W_Q, w.b_Q.unsqueeze(-2)], dim=-2)  # [..., H, d+1, dk]
-    K = w.W_K if w.b_K is None else torch.cat([w.W_K, w.b_K.unsqueeze(-2)], dim=-2)  # [..., G, d+1, dk]
-    K = K.repeat_interleave(s.group_size, dim=-3)  # [..., H, d(+1), dk]
-    return Q.transpose(-1, -2) @ Q - K.transpose(-1, -2) @ K
-
-
-@dataclass(frozen=True)
-class SamePoint:
-    """One float64 SGD step of each lr from the same trained weights (``same_point_drift.json``
-    is :meth:`to_dict`)."""
-
-    lr: list[float]
-    step_sq_qk: list[float]  # ||lr g_QK||^2 per lr: the bound on the QK drift
-    drift: dict[Side, list[float]]  # per lr, the largest drift over heads
-    slope: dict[Side, float]  # log-log slope of drift against lr
-    drift_qk_naive: list[float]  # the same for the unprojected per-head QK quantity
-    slope_qk_naive: float
-
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"lr": self.lr, "step_sq_qk": self.step_sq_qk}
-        for side in SIDES:
-            out[flat_key("drift", side)] = self.drift[side]
-            out[flat_key("slope", side)] = self.slope[side]
-        return {**out, "drift_qk_naive": self.drift_qk_naive, "slope_qk_naive": self.slope_qk_naive}
-
-
-def same_point_drift(run_dir: Path, lrs: tuple[float, ...], *, batch_seed: int = 123) -> SamePoint:
-    """Drift of one SGD step of each lr from the *same* trained weights, in float64.
-
-    The theory's statement (drift = O(lr^2) per step) isolated from trajectory effects and
-    from float32 rounding: one gradient at the end of the run, ``w - lr g`` for every lr.
-    Also the drift of :func:`_naive_qk` (first order when RoPE or GQA make it the wrong
-    quantity) and the step's norm, for the check ``drift <= ||lr g_QK||^2``.
-    """
-    cfg = TrainConfig.from_dict(json.loads((run_dir / "config.json").read_text()))
-    model = GPT(cfg.model).double()
-    model.load_state_dict(torch.load(run_dir / "checkpoint.pt", weights_only=False)["model"])
-    x, y = shakespeare().batch("train", cfg.batch_size, cfg.model.block_size,
-                               torch.Generator().manual_seed(batch_seed))
-    model.zero_grad()
-    model(x, y)[1].backward()
-    spec = cfg.model.attention_spec()
-    ws = [AttentionWeights.from_module(b.attn) for b in model.blocks]
-    gs = [AttentionWeights.from_tensors(spec, {n: p.grad for n, p in b.attn.named_parameters()})
-          for b in model.blocks]
-    w, g = AttentionWeights.stack(ws), AttentionWeights.stack(gs)
-    qk_names = [n for n in ("W_Q", "b_Q", "W_K", "b_K") if n in spec.param_shapes()]
-    g_qk_sq = float(sum(g[n].square().sum() for n in qk_names))
-    after = [metrics(w, w - g.scale(lr)) for lr in lrs]
-    drift = {side: [float(m.side(side).drift.max()) for m in after] for side in SIDES}
-    naive0 = _naive_qk(w)
-    naive = [float((_naive_qk(w - g.scale(lr)) - naive0).flatten(-2).norm(dim=-1).max()) for lr in lrs]
-    return SamePoint(list(lrs), [lr**2 * g_qk_sq for lr in lrs], drift,
-                     {side: _slope(lrs, d) for side, d in drift.items()}, naive, _slope(lrs, naive))
-
-
-def _slope(x: Sequence[float], y: Sequence[float]) -> float:
-    """The least-squares slope of ``log y`` against ``log x``."""
-    return float(np.polyfit(np.log(x), np.log(y), 1)[0])
-
-
 @dataclass(frozen=True)
 class ExperimentData:
-    """What the experiment measured: every run's metrics and config, and the same-point
-    drift of one float64 SGD step from each variant's trained SGD weights (keyed by the
-    variant's run-name prefix: ``""``, ``"rope_"``, ``"gqa_"``)."""
+    """What the experiment measured: every run's metrics and config, the same-point drift of
+    one float64 SGD step from each variant's trained SGD weights (keyed by the variant's
+    run-name prefix: ``""``, ``"rope_"``, ``"gqa_"``; the gradient-flow runs on the plain
+    variant only) and the anatomy of AdamW's update at the end of the plain AdamW run."""
 
     out: Path
     configs: dict[str, TrainConfig]
     runs: dict[str, RunData]
     same_point: dict[str, SamePoint]
+    anatomy: Anatomy | None = None  # of the plain AdamW run's last update
 
     @property
     def n_heads(self) -> int:
@@ -266,6 +198,7 @@ def run_experiment(out: Path, *, scale: str = "cpu", beyond: bool = True, seed: 
     runs = case_configs(scale, beyond=beyond, seed=seed, device=device)
     done: dict[str, str] = {}
     same_point: dict[str, SamePoint] = {}
+    anatomy: Anatomy | None = None
     for i, (name, cfg) in enumerate(runs.items(), start=1):
         key = json.dumps(cfg.to_dict(), sort_keys=True)
         shown.run(i, len(runs), f"training {name} ({title(name)})")
@@ -275,12 +208,20 @@ def run_experiment(out: Path, *, scale: str = "cpu", beyond: bool = True, seed: 
                 (out / "runs" / name / f).write_text((out / "runs" / done[key] / f).read_text())
             continue
         prefix = name.removesuffix("sgd")
-        keep = name.endswith("sgd") and prefix in VARIANTS  # the same-point analysis needs weights
+        same = name.endswith("sgd") and prefix in VARIANTS  # the same-point analysis needs weights
+        keep = same or name == "adamw"  # ... and the anatomy AdamW's optimizer state
         train(cfg, out / "runs" / name, progress=shown if shown.rich else False, checkpoint=keep)
-        if keep:
-            same_point[prefix] = same_point_drift(out / "runs" / name, SWEEP_LRS)
-            (out / "runs" / name / "checkpoint.pt").unlink(missing_ok=True)
+        if same:
+            shown.line(f"  {name}: one float64 step of each lr from the trained weights"
+                       + ("; gradient descent for a fixed time lr*steps" if not prefix else ""))
+            same_point[prefix] = same_point_drift(out / "runs" / name, SWEEP_LRS, flow=not prefix)
+        elif keep:
+            shown.line(f"  {name}: the tangent share of each ingredient of its last update")
+            anatomy = update_anatomy(out / "runs" / name)
+        (out / "runs" / name / "checkpoint.pt").unlink(missing_ok=True)
         done[key] = name
     (out / "same_point_drift.json").write_text(json.dumps({k: v.to_dict() for k, v in same_point.items()},
                                                           indent=2))
-    return ExperimentData(out, runs, {n: load_run(out / "runs" / n) for n in runs}, same_point)
+    if anatomy is not None:
+        (out / "update_anatomy.json").write_text(json.dumps(anatomy.to_dict(), indent=2))
+    return ExperimentData(out, runs, {n: load_run(out / "runs" / n) for n in runs}, same_point, anatomy)

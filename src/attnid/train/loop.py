@@ -16,7 +16,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,10 +25,11 @@ from attnid.errors import AttnidError
 from attnid.monitor import Corrector, Monitor, StepMetrics, parse_correction
 from attnid.progress import Progress
 from attnid.stats import median
-from attnid.symmetry.conserved import flat_key
+from attnid.symmetry.conserved import conserved, flat_key, group_trace
+from attnid.symmetry.tangent import side_names
 from attnid.train.data import shakespeare
 from attnid.train.model import GPT, GPTConfig
-from attnid.weights import SIDES, Side
+from attnid.weights import SIDES, AttentionWeights, Side
 
 PRESETS: dict[str, dict[str, Any]] = {
     # CPU-sized: the effects are visible in a few hundred steps on two cores
@@ -176,50 +177,60 @@ def _save(run: _Run, out: Path, step: int) -> None:
 
 
 class _UpdateSizes:
-    """Squared norm of every step's attention update, per layer and side, summed between logs.
+    """Squared norm of every step's attention update, per layer and side, summed between logs,
+    and the trace of the conserved quantity's form evaluated on the update itself.
 
-    Plain SGD changes the conserved quantities only at second order: per step
-    ``||C_QK(w + d) - C_QK(w)||_F <= ||d_QK||^2`` (``d_QK``: the update of W_Q, b_Q, W_K,
-    b_K). Logging ``sum ||d_QK||^2`` between records (and the largest single ``||d||``) makes
-    that bound checkable over the whole run, not only at the logged steps. Cheap: one copy
-    of the attention weights per step.
+    A plain SGD step changes the conserved quantities only at second order (docs/theory.md
+    §9.3): ``C(w + d) - C(w) = C(d)`` exactly for ``d = -lr g`` on the VO side, and its
+    commutant projection on the QK side, so per step ``||C_after - C_before||_F <= ||d_side||^2``
+    and ``tau_after - tau_before = trace C(d)`` (``||d_Q~||^2 - ||d_K~||^2`` on QK,
+    ``||d_V~||^2 - ||d_O||^2`` on VO; QK-norm's QK side: ``||d g_Q||^2 - ||d g_K||^2``).
+    Logging the sums of ``||d_side||^2`` and of ``trace C(d)`` between records (and the largest
+    single ``||d||``) makes both checkable over the whole run, not only at the logged steps.
+    Cheap: one copy of the attention weights per step.
     """
 
-    SIDES: ClassVar[dict[Side, tuple[str, ...]]] = {"qk": ("W_Q", "b_Q", "W_K", "b_K", "g_Q", "g_K"),
-                                                    "vo": ("W_V", "b_V", "W_O", "b_O")}
-
     def __init__(self, model: GPT) -> None:
-        self.params = {side: [[p for n, p in b.attn.named_parameters() if n in names] for b in model.blocks]
-                       for side, names in self.SIDES.items()}
-        self._before: dict[Side, list[torch.Tensor]] = {}
+        self.specs = [b.attn.spec for b in model.blocks]
+        self.params = [dict(b.attn.named_parameters()) for b in model.blocks]
+        self._before: list[dict[str, torch.Tensor]] = []
         self._reset()
 
     def _reset(self) -> None:
-        n = len(self.params["qk"])
+        n = len(self.params)
         self.sq: dict[Side, list[float]] = {side: [0.0] * n for side in SIDES}  # sum of ||Δw_side||^2
+        self.tau: dict[Side, list[list[float]]] = {  # sum of trace C(Δw), per group
+            side: [[0.0] * (1 if side == "qk" and s.qk_norm != "none" else s.n_kv_heads) for s in self.specs]
+            for side in SIDES}
         self.norm_max = [0.0] * n  # the largest single ||Δw||
 
-    def _flat(self) -> dict[Side, list[torch.Tensor]]:
-        return {side: [torch.cat([p.detach().reshape(-1) for p in ps]).double() for ps in layers]
-                for side, layers in self.params.items()}
+    def _flat(self) -> list[dict[str, torch.Tensor]]:
+        return [{n: p.detach().double() for n, p in layer.items()} for layer in self.params]
 
     def before(self) -> None:
         self._before = self._flat()
 
     def after(self) -> None:
         now = self._flat()
-        for i in range(len(self.params["qk"])):
+        for i, (spec, w0, w1) in enumerate(zip(self.specs, self._before, now, strict=True)):
+            d = {n: w1[n] - w0[n] for n in w1}
             total = 0.0
             for side in SIDES:
-                sq = float((now[side][i] - self._before[side][i]).square().sum())
+                sq = float(sum(d[n].square().sum() for n in side_names(spec, side)))
                 self.sq[side][i] += sq
                 total += sq
+                dw = AttentionWeights.from_tensors(spec, d)
+                tau = group_trace(conserved(dw, side), dw, side)  # trace C(Δw): [G] (QK-norm QK: [])
+                self.tau[side][i] = [a + float(b) for a, b in zip(self.tau[side][i], tau.reshape(-1),
+                                                                  strict=True)]
             self.norm_max[i] = max(self.norm_max[i], math.sqrt(total))
 
-    def take(self) -> dict[str, list[float]]:
+    def take(self) -> dict[str, list]:
         """The sums since the last record, under their JSONL names (``update_sq_qk``,
-        ``update_sq_vo``, ``update_norm_max``, per layer), then reset."""
-        out = {flat_key("update_sq", side): self.sq[side] for side in SIDES}
+        ``update_sq_vo``, ``update_norm_max``: per layer; ``update_tau_qk``, ``update_tau_vo``:
+        per layer and group), then reset."""
+        out: dict[str, list] = {flat_key("update_sq", side): self.sq[side] for side in SIDES}
+        out.update({flat_key("update_tau", side): self.tau[side] for side in SIDES})
         out["update_norm_max"] = self.norm_max
         self._reset()
         return out
