@@ -41,6 +41,10 @@ def train_cmd(
         "--tie/--untie", help="Override: the head shares the token embedding.")] = None,
     optimizer: Annotated[Literal["sgd", "adam", "adamw"], typer.Option("--optimizer")] = "adamw",
     lr: Annotated[float, typer.Option("--lr")] = 1e-3,
+    schedule: Annotated[Literal["constant", "cosine"], typer.Option(
+        "--schedule", help="Learning rate: constant, or a cosine to lr/10 at the last step.")
+    ] = "constant",
+    warmup: Annotated[int, typer.Option("--warmup", help="Steps of linear warmup.")] = 0,
     weight_decay: Annotated[float, typer.Option("--weight-decay")] = 0.0,
     steps: Annotated[int, typer.Option("--steps")] = 200,
     batch_size: Annotated[int, typer.Option("--batch-size")] = 16,
@@ -72,7 +76,8 @@ def train_cmd(
     model.attention_spec()  # validate before any work
     cfg = TrainConfig(model=model, optimizer=optimizer, lr=lr, weight_decay=weight_decay,
                       steps=steps, batch_size=batch_size, seed=seed, log_every=log_every,
-                      eval_every=eval_every, correct=correct, device=device)
+                      eval_every=eval_every, correct=correct, device=device, schedule=schedule,
+                      warmup=warmup)
     try:
         summary = train(cfg, Path(out), resume=resume, progress=progress, checkpoint=checkpoint, hf=hf)
     except KeyboardInterrupt:

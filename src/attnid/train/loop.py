@@ -63,10 +63,16 @@ class TrainConfig:
     eval_batches: int = 4
     correct: str = "off"  # off | project | rebalance:N
     device: str = "cpu"
+    schedule: str = "constant"  # constant | cosine (to lr / 10 at the last step)
+    warmup: int = 0  # steps of linear warmup from lr / warmup
 
     def __post_init__(self) -> None:
         if self.optimizer not in ("sgd", "adam", "adamw"):
             raise AttnidError(f"unknown optimizer {self.optimizer!r}: use sgd, adam or adamw")
+        if self.schedule not in ("constant", "cosine"):
+            raise AttnidError(f"unknown schedule {self.schedule!r}: use constant or cosine")
+        if self.warmup < 0:
+            raise AttnidError("warmup must be >= 0")
         for name in ("steps", "batch_size", "log_every", "eval_every", "eval_batches"):
             if getattr(self, name) <= 0:
                 raise AttnidError(f"{name} must be positive")
@@ -78,6 +84,16 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of step ``step`` (1-based): linear warmup over ``warmup`` steps,
+        then constant or a cosine from ``lr`` down to ``lr / 10`` at step ``steps``."""
+        if step <= self.warmup:
+            return self.lr * step / self.warmup
+        if self.schedule == "constant":
+            return self.lr
+        done = (step - self.warmup) / max(1, self.steps - self.warmup)
+        return self.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(done, 1.0))))
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
@@ -319,6 +335,9 @@ def train(cfg: TrainConfig, out: Path, *, resume: bool = False, progress: bool |
     step, last_loss, t0 = run.start, float("nan"), time.perf_counter()
     try:
         for step in range(run.start + 1, cfg.steps + 1):
+            if cfg.schedule != "constant" or cfg.warmup:
+                for group in run.opt.param_groups:
+                    group["lr"] = cfg.lr_at(step)
             x, y = data.batch("train", cfg.batch_size, cfg.model.block_size, run.gen)
             _, loss = run.wrapped(x.to(cfg.device), y.to(cfg.device))
             run.opt.zero_grad(set_to_none=True)
