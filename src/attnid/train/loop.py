@@ -16,7 +16,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -27,11 +27,9 @@ from attnid.progress import Progress
 from attnid.stats import median
 from attnid.symmetry.conserved import flat_key
 from attnid.train.data import shakespeare
+from attnid.train.export import Export, check_export, export_hf
 from attnid.train.model import GPT, GPTConfig
 from attnid.weights import SIDES, Side
-
-if TYPE_CHECKING:
-    from attnid.train.export import Export
 
 PRESETS: dict[str, dict[str, Any]] = {
     # CPU-sized: the effects are visible in a few hundred steps on two cores
@@ -320,8 +318,6 @@ def train(cfg: TrainConfig, out: Path, *, resume: bool = False, progress: bool |
     run = _setup(cfg, out, resume)
     cfg = run.cfg
     if hf:  # before any training (under --resume, the saved model's config)
-        from attnid.train.export import check_export
-
         check_export(cfg.model, out / "hf", force=True)
     data = shakespeare()
     monitor = Monitor(run.model)
@@ -376,8 +372,6 @@ def train(cfg: TrainConfig, out: Path, *, resume: bool = False, progress: bool |
     seconds = time.perf_counter() - t0
     exported = None
     if hf and run.rank == 0:
-        from attnid.train.export import export_hf
-
         exported = export_hf(run.model, out / "hf", data.chars, force=True)
     return _finish(run, out, last_loss, seconds, orbit, exported)
 
