@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from attnid.cli import main
+from attnid.errors import AttnidError
 from attnid.train import data as data_mod
 from attnid.train.data import SHA256, corpus, shakespeare
 from attnid.train.loop import TrainConfig, train
@@ -44,6 +46,32 @@ def test_model_variants_run(overrides):
     idx = torch.randint(0, 78, (2, 16))
     logits, loss = model(idx, idx)
     assert logits.shape == (2, 16, 78) and torch.isfinite(loss)
+
+
+@pytest.mark.parametrize(("schedule", "warmup"),
+                         [("constant", 0), ("constant", 5), ("cosine", 0), ("cosine", 5)])
+def test_learning_rate_schedule(schedule, warmup, tmp_path):
+    cfg = TrainConfig(model=TINY, lr=0.01, steps=20, schedule=schedule, warmup=warmup)
+    lrs = [cfg.lr_at(s) for s in range(1, 21)]
+    if warmup:
+        assert lrs[:warmup] == pytest.approx([0.01 * s / warmup for s in range(1, warmup + 1)])
+    assert lrs[warmup] == pytest.approx(0.01 if schedule == "constant" else 0.01 * (0.55 + 0.45 * math.cos(
+        math.pi / (20 - warmup))))
+    assert lrs[-1] == pytest.approx(0.01 if schedule == "constant" else 0.001)
+    assert all(a >= b for a, b in zip(lrs[warmup:], lrs[warmup + 1:], strict=False))
+    seen = []  # the loop uses it: the optimizer's lr at each step
+    real = torch.optim.AdamW.step
+
+    def spy(self, *a, **k):
+        seen.append(self.param_groups[0]["lr"])
+        return real(self, *a, **k)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.optim.AdamW, "step", spy)
+        train(cfg, tmp_path / "lr", progress=False, checkpoint=False)
+    assert seen == pytest.approx(lrs)
+    with pytest.raises(AttnidError):
+        TrainConfig(schedule="linear")
 
 
 def test_train_writes_config_and_metrics_schema(tmp_path, capsys):

@@ -29,22 +29,32 @@ def check_out_dir(in_dir: str | Path, out_dir: str | Path, force: bool) -> tuple
     if dst == src or dst in src.parents or src in dst.parents:
         raise AttnidError("OUT_DIR must be neither IN_DIR nor inside it nor around it "
                           "(the input is never modified)")
+    return src, check_new_dir(out_dir, force)
+
+
+def check_new_dir(out_dir: str | Path, force: bool) -> Path:
+    """``out_dir`` resolved, refused before any work when it is a file, or a non-empty
+    directory and not ``force``."""
+    dst = Path(out_dir).resolve()
     if dst.exists() and not dst.is_dir():
         raise AttnidError(f"{out_dir} exists and is not a directory")
     if dst.exists() and any(dst.iterdir()) and not force:
         raise AttnidError(f"{out_dir} exists and is not empty (use --force to replace it)")
-    return src, dst
+    return dst
 
 
 @contextmanager
-def staged(dst: Path, src: Path, weights: set[str]) -> Iterator[Path]:
-    """A fresh temporary sibling of ``dst`` holding ``src``'s other files: the caller writes and
-    verifies the weights there; on success it replaces ``dst``, on any failure it is removed."""
+def staged(dst: Path, src: Path | None = None, weights: set[str] | frozenset[str] = frozenset()
+           ) -> Iterator[Path]:
+    """A fresh temporary sibling of ``dst`` holding ``src``'s other files (none without
+    ``src``): the caller writes and verifies the weights there; on success it replaces
+    ``dst``, on any failure it is removed."""
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.parent / f".{dst.name}.{secrets.token_hex(4)}.tmp"
     tmp.mkdir()  # mode 0o777 less the umask, like any folder the user creates
     try:
-        copy_other_files(src, tmp, weights)
+        if src is not None:
+            copy_other_files(src, tmp, weights)
         yield tmp
         if dst.exists():
             shutil.rmtree(dst)
@@ -54,7 +64,7 @@ def staged(dst: Path, src: Path, weights: set[str]) -> Iterator[Path]:
         raise
 
 
-def copy_other_files(src: Path, dst: Path, weights: set[str]) -> None:
+def copy_other_files(src: Path, dst: Path, weights: set[str] | frozenset[str]) -> None:
     """Everything in the model directory but its weight files (config, tokenizer, ...)."""
     for item in src.rglob("*"):
         rel = item.relative_to(src)

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 
-from attnid.cli.app import NKVHeads, QKNormOpt, Rope, app
+from attnid.cli.app import NKVHeads, QKNormOpt, app
 
 if TYPE_CHECKING:
     from attnid.train.loop import TrainSummary
@@ -17,17 +17,34 @@ def train_cmd(
     out: Annotated[str, typer.Option("--out", help="Output directory.")] = "runs/train",
     preset: Annotated[Literal["tiny", "small", "paper"], typer.Option(
         "--preset", help="Model size (layers, heads, width, context).")] = "tiny",
+    arch: Annotated[Literal["nanogpt", "gpt2", "llama"], typer.Option(
+        "--arch", help="nanogpt: LayerNorm, GELU, learned positions, tied, q/k biases; gpt2: the "
+        "same with all biases; llama: RMSNorm, SwiGLU, RoPE, untied, no biases.")] = "nanogpt",
     n_layers: Annotated[int | None, typer.Option(
         "--n-layers", "--layers", help="Override: transformer blocks.")] = None,
     n_heads: Annotated[int | None, typer.Option(
         "--n-heads", "--heads", help="Override: query heads.")] = None,
     n_kv_heads: NKVHeads = None,
     d_model: Annotated[int | None, typer.Option("--d-model", help="Override: width.")] = None,
-    bias: Annotated[str, typer.Option("--bias", help="Attention biases (subset of qkvo).")] = "qk",
-    rope: Rope = 0.0,
+    bias: Annotated[str | None, typer.Option(
+        "--bias", help="Override: attention biases (subset of qkvo, or none).")] = None,
+    rope: Annotated[float | None, typer.Option(
+        "--rope", help="Override: fraction of each head's dims that RoPE rotates.")] = None,
     qk_norm: QKNormOpt = "none",
+    norm: Annotated[Literal["layernorm", "rmsnorm"] | None, typer.Option(
+        "--norm", help="Override: the residual-stream norm.")] = None,
+    mlp: Annotated[Literal["gelu", "swiglu"] | None, typer.Option(
+        "--mlp", help="Override: the MLP.")] = None,
+    d_ff: Annotated[int | None, typer.Option(
+        "--d-ff", help="MLP hidden width (default 4 d; swiglu 8 d / 3 up to a multiple of 32).")] = None,
+    tie: Annotated[bool | None, typer.Option(
+        "--tie/--untie", help="Override: the head shares the token embedding.")] = None,
     optimizer: Annotated[Literal["sgd", "adam", "adamw"], typer.Option("--optimizer")] = "adamw",
     lr: Annotated[float, typer.Option("--lr")] = 1e-3,
+    schedule: Annotated[Literal["constant", "cosine"], typer.Option(
+        "--schedule", help="Learning rate: constant, or a cosine to lr/10 at the last step.")
+    ] = "constant",
+    warmup: Annotated[int, typer.Option("--warmup", help="Steps of linear warmup.")] = 0,
     weight_decay: Annotated[float, typer.Option("--weight-decay")] = 0.0,
     steps: Annotated[int, typer.Option("--steps")] = 200,
     batch_size: Annotated[int, typer.Option("--batch-size")] = 16,
@@ -41,23 +58,28 @@ def train_cmd(
     progress: Annotated[bool, typer.Option("--progress/--no-progress")] = True,
     checkpoint: Annotated[bool, typer.Option(
         "--checkpoint/--no-checkpoint", help="Write OUT/checkpoint.pt (needed for --resume).")] = True,
+    hf: Annotated[bool, typer.Option(
+        "--hf/--no-hf", help="Also write OUT/hf, a Hugging Face checkpoint with a character "
+        "tokenizer (--arch gpt2 or llama; needs attnid[hf]).")] = False,
 ) -> None:
     """Train the small GPT on character-level Shakespeare, logging orbit metrics."""
     from pathlib import Path
 
-    from attnid.train.loop import PRESETS, TrainConfig, train
+    from attnid.train.loop import ARCHS, PRESETS, TrainConfig, train
     from attnid.train.model import GPTConfig
 
     overrides = {k: v for k, v in dict(n_layers=n_layers, n_heads=n_heads, d_model=d_model,
-                                       block_size=seq_len).items() if v is not None}
-    model = GPTConfig(**{**PRESETS[preset], **overrides}, n_kv_heads=n_kv_heads, attn_bias=bias,
-                      rope=rope, qk_norm=qk_norm)
+                                       block_size=seq_len, attn_bias=bias, rope=rope, norm=norm, mlp=mlp,
+                                       d_ff=d_ff, tie_weights=tie).items() if v is not None}
+    model = GPTConfig(**{**PRESETS[preset], **ARCHS[arch], **overrides}, n_kv_heads=n_kv_heads,
+                      qk_norm=qk_norm)
     model.attention_spec()  # validate before any work
     cfg = TrainConfig(model=model, optimizer=optimizer, lr=lr, weight_decay=weight_decay,
                       steps=steps, batch_size=batch_size, seed=seed, log_every=log_every,
-                      eval_every=eval_every, correct=correct, device=device)
+                      eval_every=eval_every, correct=correct, device=device, schedule=schedule,
+                      warmup=warmup)
     try:
-        summary = train(cfg, Path(out), resume=resume, progress=progress, checkpoint=checkpoint)
+        summary = train(cfg, Path(out), resume=resume, progress=progress, checkpoint=checkpoint, hf=hf)
     except KeyboardInterrupt:
         hint = (f"continue with attnid train --resume --out {out}" if checkpoint
                 else "no checkpoint was written (--no-checkpoint)")
@@ -78,6 +100,9 @@ def _print_train_summary(s: TrainSummary, out: str) -> None:
                    f"updates), mean beta {b0:.4g} -> {b1:.4g}{change}")
     size = f", checkpoint {s.checkpoint_bytes / 1e6:.1f} MB" if s.checkpoint_bytes is not None else ""
     typer.echo(f"  metrics in {out}/metrics.jsonl{size}")
+    if s.hf is not None:
+        typer.echo(f"  Hugging Face checkpoint in {s.hf.path} ({s.hf.architecture}; its logits "
+                   f"match the model's to {s.hf.error:.1e} in float64)")
 
 
 experiment_app = typer.Typer(help="Training experiments.", no_args_is_help=True)

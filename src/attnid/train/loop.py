@@ -28,6 +28,7 @@ from attnid.stats import median
 from attnid.symmetry.conserved import conserved, flat_key, group_trace
 from attnid.symmetry.tangent import side_names
 from attnid.train.data import shakespeare
+from attnid.train.export import Export, check_export, export_hf
 from attnid.train.model import GPT, GPTConfig
 from attnid.weights import SIDES, AttentionWeights, Side
 
@@ -37,6 +38,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     "small": dict(n_layers=4, n_heads=6, d_model=192, block_size=128),
     # nanoGPT's Shakespeare-char model (the paper's setting): head dim 64
     "paper": dict(n_layers=6, n_heads=6, d_model=384, block_size=256, dropout=0.2),
+}
+# architectures (GPTConfig fields); gpt2 and llama export to Hugging Face (attnid.train.export)
+ARCHS: dict[str, dict[str, Any]] = {
+    "nanogpt": dict(),  # the paper's: LayerNorm, GELU, learned positions, tied head, q and k biases
+    "gpt2": dict(attn_bias="qkvo", mlp_bias=True),  # GPT2LMHeadModel: biases on q, k, v, o and the MLP
+    "llama": dict(norm="rmsnorm", mlp="swiglu", rope=1.0, attn_bias="", mlp_bias=False,
+                  tie_weights=False),  # LlamaForCausalLM: RMSNorm, SwiGLU, RoPE, untied, no biases
 }
 
 
@@ -54,10 +62,16 @@ class TrainConfig:
     eval_batches: int = 4
     correct: str = "off"  # off | project | rebalance:N
     device: str = "cpu"
+    schedule: str = "constant"  # constant | cosine (to lr / 10 at the last step)
+    warmup: int = 0  # steps of linear warmup from lr / warmup
 
     def __post_init__(self) -> None:
         if self.optimizer not in ("sgd", "adam", "adamw"):
             raise AttnidError(f"unknown optimizer {self.optimizer!r}: use sgd, adam or adamw")
+        if self.schedule not in ("constant", "cosine"):
+            raise AttnidError(f"unknown schedule {self.schedule!r}: use constant or cosine")
+        if self.warmup < 0:
+            raise AttnidError("warmup must be >= 0")
         for name in ("steps", "batch_size", "log_every", "eval_every", "eval_batches"):
             if getattr(self, name) <= 0:
                 raise AttnidError(f"{name} must be positive")
@@ -69,6 +83,16 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of step ``step`` (1-based): linear warmup over ``warmup`` steps,
+        then constant or a cosine from ``lr`` down to ``lr / 10`` at step ``steps``."""
+        if step <= self.warmup:
+            return self.lr * step / self.warmup
+        if self.schedule == "constant":
+            return self.lr
+        done = (step - self.warmup) / max(1, self.steps - self.warmup)
+        return self.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(done, 1.0))))
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
@@ -275,6 +299,7 @@ class TrainSummary:
     checkpoint_bytes: int | None = None  # when OUT/checkpoint.pt exists
     ranks_in_sync: bool | None = None  # under DDP: the ranks ended with equal weights
     max_rank_diff: float | None = None  # under DDP
+    hf: Export | None = None  # the Hugging Face export (``train(..., hf=True)``)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"steps": self.steps, "final_loss": self.final_loss,
@@ -284,20 +309,27 @@ class TrainSummary:
         for k in ("checkpoint_bytes", "ranks_in_sync", "max_rank_diff"):
             if getattr(self, k) is not None:
                 out[k] = getattr(self, k)
+        if self.hf is not None:
+            out |= {"hf_path": str(self.hf.path), "hf_architecture": self.hf.architecture,
+                    "hf_error": self.hf.error}
         return out
 
 
 def train(cfg: TrainConfig, out: Path, *, resume: bool = False, progress: bool | Progress = True,
-          checkpoint: bool = True) -> TrainSummary:
+          checkpoint: bool = True, hf: bool = False) -> TrainSummary:
     """Run one training; return the summary. ``KeyboardInterrupt`` leaves a valid log (and,
     with ``checkpoint``, a checkpoint to resume from).
 
     ``progress``: a :class:`attnid.progress.Progress` to report steps to, ``True`` for a new
     one on stderr, ``False`` for silence. ``checkpoint=False`` writes no ``checkpoint.pt``.
+    ``hf=True`` also writes ``OUT/hf``, the trained model as a Hugging Face checkpoint
+    (`attnid.train.export.export_hf`; a model it cannot represent is refused before training).
     """
     out = Path(out)
     run = _setup(cfg, out, resume)
     cfg = run.cfg
+    if hf:  # before any training (under --resume, the saved model's config)
+        check_export(cfg.model, out / "hf", force=True)
     data = shakespeare()
     monitor = Monitor(run.model)
     corrector = Corrector(run.model, cfg.correct)
@@ -310,6 +342,9 @@ def train(cfg: TrainConfig, out: Path, *, resume: bool = False, progress: bool |
     step, last_loss, t0 = run.start, float("nan"), time.perf_counter()
     try:
         for step in range(run.start + 1, cfg.steps + 1):
+            if cfg.schedule != "constant" or cfg.warmup:
+                for group in run.opt.param_groups:
+                    group["lr"] = cfg.lr_at(step)
             x, y = data.batch("train", cfg.batch_size, cfg.model.block_size, run.gen)
             _, loss = run.wrapped(x.to(cfg.device), y.to(cfg.device))
             run.opt.zero_grad(set_to_none=True)
@@ -345,11 +380,15 @@ def train(cfg: TrainConfig, out: Path, *, resume: bool = False, progress: bool |
     if checkpoint:
         _save(run, out, cfg.steps)
     orbit = {side: OrbitSummary.of(logged, side) for side in SIDES} if logged else {}
-    return _finish(run, out, last_loss, time.perf_counter() - t0, orbit)
+    seconds = time.perf_counter() - t0
+    exported = None
+    if hf and run.rank == 0:
+        exported = export_hf(run.model, out / "hf", data.chars, force=True)
+    return _finish(run, out, last_loss, seconds, orbit, exported)
 
 
-def _finish(run: _Run, out: Path, last_loss: float, seconds: float, orbit: dict[Side, OrbitSummary]
-            ) -> TrainSummary:
+def _finish(run: _Run, out: Path, last_loss: float, seconds: float, orbit: dict[Side, OrbitSummary],
+            exported: Export | None = None) -> TrainSummary:
     """The summary (written by rank 0); under DDP, checks that the ranks ended in sync."""
     ckpt = out / "checkpoint.pt"
     in_sync = rank_diff = None
@@ -360,7 +399,7 @@ def _finish(run: _Run, out: Path, last_loss: float, seconds: float, orbit: dict[
         in_sync = all(torch.equal(allf[0], f) for f in allf)
         rank_diff = max(float((allf[0] - f).abs().max()) for f in allf)
     summary = TrainSummary(run.cfg.steps, last_loss, run.world, run.rank, seconds, orbit,
-                           ckpt.stat().st_size if ckpt.exists() else None, in_sync, rank_diff)
+                           ckpt.stat().st_size if ckpt.exists() else None, in_sync, rank_diff, exported)
     if run.rank == 0:
         _atomic_write(out / "summary.json", json.dumps(summary.to_dict(), indent=2))
     if run.world > 1:
