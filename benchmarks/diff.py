@@ -10,8 +10,9 @@
    hadamard --rotate-values random`` (which itself verifies with `attnid diff`).
 3. Times, each in its own process with its peak resident memory, and with both checkpoints
    evicted from the page cache first (``posix_fadvise(DONTNEED)``, so that each run reads from
-   disk): (a) reading every tensor of both checkpoints through safetensors (the baseline);
-   (b) ``attnid diff A B --json``.
+   disk): (a) reading every tensor of both checkpoints through safetensors (the baseline;
+   safetensors hands out memory-mapped tensors, so it touches a byte of every page: ``numel()``
+   alone would read next to nothing); (b) ``attnid diff A B --json``.
 
 Prints the sizes, both times, their ratio, diff's peak RSS and its verdict (aim: at most 2x the
 baseline and 4 GB). ``--layers N`` keeps the widths and takes N layers (a quick run of the same
@@ -36,6 +37,7 @@ atexit.register(lambda: print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 READ = """
 import sys
+import torch
 from safetensors import safe_open
 from pathlib import Path
 total = 0
@@ -43,7 +45,9 @@ for d in sys.argv[1:]:
     for p in sorted(Path(d).glob("*.safetensors")):
         with safe_open(str(p), "pt") as f:
             for n in f.keys():
-                total += f.get_tensor(n).numel()
+                t = f.get_tensor(n)
+                t.reshape(-1).view(torch.uint8)[::4096].sum()  # mapped: a byte of each page read
+                total += t.numel()
 print(total)
 """
 

@@ -1,8 +1,11 @@
 """Safetensors files: read through the safetensors library, written one tensor at a time.
 
-Reading: :class:`TensorFile` opens a file with ``safetensors.safe_open`` (memory-mapped, the
-header validated by the library: offsets, shapes against byte sizes, dtypes), and reads one
-tensor at a time. :func:`weight_files` finds a model directory's shards (one file, or a
+Reading: :class:`TensorFile` opens a file with ``safetensors.safe_open`` (the header validated
+by the library: offsets, shapes against byte sizes, dtypes), and reads one tensor at a time:
+the floating ones by a plain read of their bytes into memory the caller owns (not through the
+library's memory map, whose pages would stay mapped into the process, counted in its resident
+memory, for as long as the file is open: a whole checkpoint, for a tool that streams it).
+:func:`weight_files` finds a model directory's shards (one file, or a
 ``model.safetensors.index.json`` whose map is checked against the shards' contents).
 
 Writing: :func:`write_streaming` is hand-written because the library has nothing like it:
@@ -19,6 +22,7 @@ from __future__ import annotations
 import json
 import re
 import struct
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,6 +76,7 @@ class TensorFile:
             for n in self.names:
                 s = self._file.get_slice(n)
                 self._info[n] = TensorInfo(str(s.get_dtype()), tuple(int(x) for x in s.get_shape()))
+            self._start = _data_starts(self.path)  # absolute byte offset of each tensor (validated above)
         except (SafetensorError, OSError, ValueError) as e:
             raise AttnidError(f"{self.path} is not a valid safetensors file: {_diagnose(self.path, e)}"
                               ) from None
@@ -84,6 +89,10 @@ class TensorFile:
 
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` of one tensor (only those bytes are read; a copy in memory)."""
+        info = self._info[name]
+        if info.dtype in DTYPES and info.shape and sys.byteorder == "little":
+            stop = max(start, min(stop, info.shape[0]))
+            return self._read(name, (stop - start, *info.shape[1:]), start)
         try:
             return self._file.get_slice(name)[start:stop]
         except Exception as e:  # the library's error types differ between versions and dtypes
@@ -92,11 +101,41 @@ class TensorFile:
 
     def tensor(self, name: str) -> torch.Tensor:
         """One tensor, as stored (a copy in memory)."""
+        info = self._info[name]
+        if info.dtype in DTYPES and sys.byteorder == "little":
+            return self._read(name, info.shape, 0)
         try:
             return self._file.get_tensor(name)
         except Exception as e:  # the library's error types differ between versions and dtypes
             raise AttnidError(f"{self.path}: tensor {name} cannot be read ({self._info[name].dtype}): "
                               f"{e}") from None
+
+
+    def _read(self, name: str, shape: tuple[int, ...], row: int) -> torch.Tensor:
+        """``shape`` worth of a floating tensor's bytes from row ``row`` on, read into a new
+        tensor (one ``readinto``; safetensors stores little-endian, C order)."""
+        dtype = DTYPES[self._info[name].dtype]
+        numel = 1
+        for x in shape:
+            numel *= x
+        per_row = 1
+        for x in self._info[name].shape[1:]:
+            per_row *= x
+        out = torch.empty(numel * dtype.itemsize, dtype=torch.uint8)
+        with self.path.open("rb", buffering=0) as f:
+            f.seek(self._start[name] + row * per_row * dtype.itemsize)
+            got = f.readinto(memoryview(out.numpy()))
+        if got != out.numel():
+            raise AttnidError(f"{self.path}: tensor {name} cannot be read (the file ends early)")
+        return out.view(dtype).reshape(shape)
+
+
+def _data_starts(path: Path) -> dict[str, int]:
+    """Each tensor's first byte in the file (``8 + header + data_offsets[0]``)."""
+    with path.open("rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    return {k: 8 + n + v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
 
 
 def _diagnose(path: Path, error: Exception) -> str:

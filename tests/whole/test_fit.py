@@ -169,3 +169,28 @@ def test_a_rotated_post_ln_model_is_refused_at_its_token_table():
     first = next(x for x in residuals(f) if x.residual > f.tolerance)
     assert first.tensor == "bert.embeddings.word_embeddings.weight", first
     assert "post-LN" in first.reason, first
+
+
+@pytest.mark.parametrize("gain,centre", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("narrow", [False, True])
+def test_probes_see_norms_unbiased_and_fold_gain_and_centring(gain, centre, narrow):
+    """Through the probes (full or narrowed to 64), ``||X diag(g) P R||`` estimates ``||X
+    diag(g) P||`` without bias (a narrowed frame is rescaled), and the gain and the centring
+    folded into the probes give the same product as applied to ``X`` first."""
+    from attnid.whole.fit.frame import Frame, probes
+
+    d, k = 1024, 256
+    X = torch.randn(2000, d, generator=gen(1), dtype=torch.float64)
+    g = 0.5 + torch.rand(d, generator=gen(2), dtype=torch.float64) if gain else None
+    f = Frame(probes(d, k, torch.float64), random_orthogonal(d, gen(3)), torch.float64)
+    f = f.narrow() if narrow else f
+    Y = X * (1 if g is None else g)
+    Y = Y - Y.mean(-1, keepdim=True) if centre else Y
+    folded = f.right(X, g, centre)
+    err = float((folded - Y @ f.R).norm() / folded.norm())
+    assert err < 1e-13, f"folding the gain/centring into the probes changed the product by {err:.2e}"
+    ratio = float(folded.norm() ** 2 / Y.norm() ** 2)
+    assert abs(ratio - 1) < 0.05, f"probed squared norm is {ratio:.3f} of the true one (k={f.R.shape[1]})"
+    left = f.left(X.T, g, centre)
+    err = float((left - f.R.T @ Y.T).norm() / left.norm())
+    assert err < 1e-13, f"left: folding changed the product by {err:.2e}"

@@ -209,3 +209,26 @@ def test_a_transform_never_acts_on_half_of_what_it_changes():
     half = {k: v for k, v in layer0.items() if k != "model.layers.0.input_layernorm.weight"}
     with pytest.raises(AttnidError, match=r"input_layernorm\.weight is missing"):
         T.fold_norm_gains(T.ModelTensors(mt.layout, half, mt.config))
+
+
+@pytest.mark.parametrize("n", [1, 2, 12, 20, 28, 64, 128, 768, 896, 4096, 5120])
+def test_hadamard_applied_by_its_kronecker_factors(n):
+    """R1 = Hadamard is applied factor by factor (`kron_right`): the same product as with the
+    ``n x n`` matrix, to float64 rounding."""
+    from attnid.whole.transforms.orthogonal import hadamard_factors, kron_right
+
+    X = torch.randn(3, 5, n, generator=gen(n), dtype=torch.float64)
+    fast, dense = kron_right(X, hadamard_factors(n), n**-0.5), X @ T.hadamard(n)
+    err = float((fast - dense).norm() / dense.norm())
+    assert err < 1e-14, f"n={n}: relative difference {err:.2e}"
+
+
+def test_a_checked_rotation_changed_in_place_is_checked_again():
+    """The residual rotation is checked once per tensor (a checkpoint is rotated unit by unit);
+    changing it in place makes it a new rotation, checked again."""
+    m = tiny_model(FAMILIES["llama-gqa"], seed=0)
+    Q = T.hadamard(m.config.hidden_size)
+    T.residual_rotation(m, Q)
+    Q.mul_(2.0)
+    with pytest.raises(AttnidError, match="orthogonal"):
+        T.residual_rotation(m, Q)

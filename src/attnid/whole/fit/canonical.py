@@ -112,21 +112,24 @@ def gain(m: ModelTensors, nm: Norm, dtype: torch.dtype, ignore: bool = False) ->
 
 
 # ---- readers and writers ---------------------------------------------------------------------
-def reader(m: ModelTensors, lin: Lin, dtype: torch.dtype, *, ignore_norm: bool = False
-           ) -> tuple[torch.Tensor, torch.Tensor | None, float]:
-    """``(W diag(g) P [out, d], c + W b or None, the bias's scale)``, exact (no probes); a
-    fused map's own rows only."""
+def reader(m: ModelTensors, lin: Lin, dtype: torch.dtype, *, ignore_norm: bool = False,
+           frame: Frame | None = None) -> tuple[torch.Tensor, torch.Tensor | None, float]:
+    """``(W diag(g) P [out, d], c + W b or None, the bias's scale)``, exact; with ``frame``
+    the first is probed, ``W (diag(g) P R) [out, k]``: one product with the stored ``W`` (the
+    gain and the centring fold into the probes, `Frame.folded`); a fused map's own rows only."""
     nm = reading(m)[lin.path]
-    W = m.weight(lin).to(dtype)
+    W = m.weight(lin)
     c = m.bias(lin)
     if lin.rows is not None:
         W = W[lin.rows[0]:lin.rows[1]]
         c = None if c is None else c[lin.rows[0]:lin.rows[1]]
     g, b = gain(m, nm, dtype, ignore_norm), None if ignore_norm else m.norm_bias(nm)
-    Wc = _centre(W * g[None, :], m, -1)
+    layer_norm = m.layout.norm == "layer"
+    Wc = (frame or Frame(None, None, dtype)).right(W, g, layer_norm)
     cc = None if c is None else c.to(dtype)
     scale = _norm(cc)
     if b is not None:
+        W = W.to(dtype)
         Wb = W @ b.to(dtype)
         cc = Wb if cc is None else cc + Wb
         scale += _norm(W) * _norm(b)
@@ -265,8 +268,10 @@ def attention(m: ModelTensors, layer: int, frame: Frame, blame_of: dict[str, str
     absorbed = _absorbing(m).get(o_lin.path)
     a_bias = None if absorbed is None else m.norm_bias(absorbed)
 
+    layer_norm = lay.norm == "layer"
+
     def read(W: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        Wc = frame.left(_centre(g[None, :, None] * W, m, -2))  # [n, k, dh]
+        Wc = frame.left(W, g, layer_norm)  # R^T P diag(g) W [n, k, dh]: one product
         if b is None:
             return Wc, bias
         Wb = torch.einsum("d,ndh->nh", b, W)
@@ -277,7 +282,7 @@ def attention(m: ModelTensors, layer: int, frame: Frame, blame_of: dict[str, str
     new["W_Q"], new["b_Q"] = read(w.W_Q, w.b_Q)
     new["W_K"], new["b_K"] = read(w.W_K, w.b_K)
     new["W_V"], new["b_V"] = read(w.W_V, w.b_V)
-    new["W_O"] = frame.right(_centre(w.W_O, m, -1))
+    new["W_O"] = frame.right(w.W_O, centre=layer_norm)  # W_O P R
     bo = [x.to(cd) for x in (w.b_O, a_bias) if x is not None]
     new["b_O"] = frame.vector(_centre(sum(bo), m, -1)) if bo else None
     letters = _bias_letters(s.bias, b is not None, a_bias is not None, False)
@@ -312,19 +317,18 @@ def mlp(m: ModelTensors, layer: int, frame: Frame, *, ignore_norm: bool = False)
     lay = m.layout
     up, down = lay.mlps[layer]
     gate = lay.gates[layer] if lay.gates else None
-    U, cu, su = reader(m, up, cd, ignore_norm=ignore_norm)
+    U, cu, su = reader(m, up, cd, ignore_norm=ignore_norm, frame=frame)  # [f, k]
     G, cg, sg = None, None, 0.0
     if gate is not None:
-        G, cg, sg = reader(m, gate, cd, ignore_norm=ignore_norm)
-        G = frame.right(G)
-    D = frame.left(_centre(m.weight(down).to(cd), m, -2)).T  # [f, k]
+        G, cg, sg = reader(m, gate, cd, ignore_norm=ignore_norm, frame=frame)
+    D = frame.left(m.weight(down), centre=lay.norm == "layer").T  # (R^T P W_down)^T [f, k]
     nm = reading(m)[up.path]
     bias_of = lambda lin: f"{lin.path}.bias" if m.bias(lin) is not None else f"{nm.path}.bias"  # noqa: E731
     blame = {"up": f"{up.path}.weight", "up_bias": bias_of(up), "down": f"{down.path}.weight",
              "norm_gain": f"{nm.path}.weight"}
     if gate is not None:
         blame |= {"gate": f"{gate.path}.weight", "gate_bias": bias_of(gate)}
-    return MLP(frame.right(U), D, G, cu, cg, lay.mlp, blame, su, sg)
+    return MLP(U, D, G, cu, cg, lay.mlp, blame, su, sg)
 
 
 def layer_names(m: ModelTensors, layer: int) -> set[str]:

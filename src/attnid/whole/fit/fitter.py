@@ -18,7 +18,7 @@ distances per unit; `attnid.checkpoint.diff` reports it.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +42,41 @@ def tolerance(dtype: torch.dtype) -> float:
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """float64 for float32/float64 checkpoints; float32 is ample for bfloat16/float16."""
     return torch.float32 if torch.finfo(dtype).eps > 1e-6 else torch.float64
+
+
+class _Converted(Mapping[str, torch.Tensor]):
+    """A unit's tensors, each floating one converted to the compute dtype once, when first read
+    (every later read, and every alias of it, is that copy, and the stored one is let go): the
+    gauge fixing, the probes and the stored distance share one conversion."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> None:
+        self.raw, self.dtype = dict(tensors), dtype
+        self.done: dict[tuple, torch.Tensor] = {}  # storage of a stored tensor -> its copy
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        t = self.raw[name]
+        if not t.is_floating_point() or t.dtype == self.dtype:
+            return t
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+        if key not in self.done:
+            self.done[key] = t.to(self.dtype)
+        self.raw[name] = self.done[key]
+        return self.raw[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.raw)
+
+    def __len__(self) -> int:
+        return len(self.raw)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.raw
+
+
+def _load(src: UnitSource, unit: int, dtype: torch.dtype, check: bool = False) -> ModelTensors:
+    """A unit of ``src`` whose floating tensors read as ``dtype`` (`_Converted`)."""
+    m = src.load(unit, check=check)
+    return ModelTensors(m.layout, _Converted(m.tensors, dtype), m.config)
 
 
 @dataclass(frozen=True)
@@ -219,7 +254,7 @@ def fit(a: UnitSource, b: UnitSource, *, probe_k: int | None = None,
                 results |= {x: _unit(f, x, Q, rot) for x in first}
     broken = next((u for u in range(L + 2) if _worst(results[u][0]) > f.tol), None)
     if broken is not None:  # only the first break is named: diagnose that unit alone
-        ma, mb = a.load(broken, check=False), b.load(broken, check=False)
+        ma, mb = _load(a, broken, f.cd), _load(b, broken, f.cd)
         results[broken] = (_diagnose(f, ma, mb, broken, Q, results[broken][0]), *results[broken][1:])
     units = [results[u][0] for u in range(L + 2)]
     gains: dict[str, torch.Tensor] = {}
@@ -236,7 +271,7 @@ def _unit(f: _Fitter, u: int, Q: torch.Tensor | None, rot: _Rotations
     """One unit compared (leftover tensors and diagnoses included), its stored distance, and
     the norm gauges it holds."""
     a, b = f.a, f.b
-    ma, mb = a.load(u, check=False), b.load(u, check=False)  # every value reaches the distance
+    ma, mb = _load(a, u, f.cd), _load(b, u, f.cd)  # every value reaches the distance
     raw = _raw(a, ma, mb, u)
     if not math.isfinite(raw):  # NaN or Inf somewhere in the unit: the checked load names it
         a.load(u), b.load(u)
@@ -297,7 +332,7 @@ class _Rotations:
 
     def best(self, units: list[int], Q: torch.Tensor, how: str) -> tuple[torch.Tensor, str]:
         f = self.f
-        loaded = {u: (f.a.load(u), f.b.load(u)) for u in units}
+        loaded = {u: (_load(f.a, u, f.cd, True), _load(f.b, u, f.cd, True)) for u in units}
         cands = [(Q, how), (_procrustes([self.E], self.ln), "fitted on the embedding rows"),
                  (_procrustes([self.U], self.ln), "fitted on the unembedding rows")]
         if 1 in loaded:
@@ -391,11 +426,23 @@ def _gains(ma: ModelTensors, mb: ModelTensors) -> dict[str, torch.Tensor]:
     return out
 
 
+RAW_CHUNK = 1 << 18  # elements per step of a stored distance: the difference stays in cache
+
+
+def _sq_distance(x: torch.Tensor, y: torch.Tensor) -> float:
+    """``||x - y||^2``, a cache-sized block at a time (no full-size difference is made; each
+    block's sum in the compute dtype, the blocks' in float64: about 1e-7 relative in float32,
+    where one float32 reduction over a 45M-element weight drifts by 1e-3)."""
+    fx, fy = x.reshape(-1), y.reshape(-1)
+    return sum(float(torch.linalg.vector_norm(fx[i:i + RAW_CHUNK] - fy[i:i + RAW_CHUNK])) ** 2
+               for i in range(0, fx.numel(), RAW_CHUNK))
+
+
 def _raw(src: UnitSource, ma: ModelTensors, mb: ModelTensors, u: int) -> float:
-    """``||B - A||`` over the unit's stored tensors (the difference taken as stored: a distance
-    to well under a percent in bfloat16)."""
+    """``||B - A||`` over the unit's stored tensors, in the compute dtype the unit is read in
+    (the difference of two bfloat16 or float16 values is exact in float32)."""
     total = 0.0
     for n in src.names(u):
         if n in ma and n in mb and ma.tensors[n].is_floating_point():
-            total += float(torch.linalg.vector_norm(ma.tensors[n] - mb.tensors[n], dtype=torch.float64)) ** 2
+            total += _sq_distance(ma.tensors[n], mb.tensors[n])
     return total**0.5

@@ -55,15 +55,33 @@ class Frame:
             Q = None if self.Q is None else self.Q.to(self.dtype)
             object.__setattr__(self, "R", self.Z if Q is None else Q if self.Z is None else Q @ self.Z)
 
-    def right(self, X: torch.Tensor) -> torch.Tensor:
-        """``X [..., d] -> X R [..., k]`` (stream on the right)."""
-        X = X.to(self.dtype)
-        return X if self.R is None else X @ self.R
+    def folded(self, gain: torch.Tensor | None = None, centre: bool = False) -> torch.Tensor | None:
+        """``diag(g) P R [d, k]`` (``P = I - 1 1^T / d`` when ``centre``): what a gain and a
+        centring along the stream fold into, so that ``X diag(g) P R`` is one product with the
+        stored ``X`` and never a gained or centred copy of it (None: exact frame)."""
+        if self.R is None:
+            return None
+        R = self.R - self.R.mean(0, keepdim=True) if centre else self.R
+        return R if gain is None else gain.to(self.dtype)[:, None] * R
 
-    def left(self, X: torch.Tensor) -> torch.Tensor:
-        """``X [..., d, n] -> R^T X [..., k, n]`` (stream on the left)."""
+    def right(self, X: torch.Tensor, gain: torch.Tensor | None = None, centre: bool = False
+              ) -> torch.Tensor:
+        """``X [..., d] -> X diag(g) P R [..., k]`` (stream on the right; ``g`` and ``P`` only
+        when given)."""
         X = X.to(self.dtype)
-        return X if self.R is None else self.R.T @ X
+        if self.R is None:
+            X = X if gain is None else X * gain.to(self.dtype)
+            return X - X.mean(-1, keepdim=True) if centre else X
+        return X @ self.folded(gain, centre)
+
+    def left(self, X: torch.Tensor, gain: torch.Tensor | None = None, centre: bool = False
+             ) -> torch.Tensor:
+        """``X [..., d, n] -> R^T P diag(g) X [..., k, n]`` (stream on the left)."""
+        X = X.to(self.dtype)
+        if self.R is None:
+            X = X if gain is None else X * gain.to(self.dtype)[:, None]
+            return X - X.mean(-2, keepdim=True) if centre else X
+        return self.folded(gain, centre).T @ X
 
     def vector(self, x: torch.Tensor) -> torch.Tensor:
         """A stream vector ``[d] -> [k]``."""

@@ -56,22 +56,56 @@ def _paley(b: int) -> torch.Tensor | None:
 
 
 def hadamard_supported(n: int) -> bool:
-    return any(_paley(n >> k) is not None for k in range(n.bit_length()) if n % (1 << k) == 0)
+    return hadamard_factors(n) is not None
+
+
+SYLVESTER_BLOCK = 6  # a Kronecker factor of 2^6 = 64: small products, few passes over the rows
+
+
+def hadamard_factors(n: int) -> list[torch.Tensor] | None:
+    """Small ``+-1`` matrices whose Kronecker product is ``sqrt(n)`` times `hadamard` ``(n)`` (the
+    Paley base, then Sylvester blocks of at most 64), or None when no order ``n`` is built here."""
+    for k in range(n.bit_length()):
+        if n % (1 << k) == 0 and (base := _paley(n >> k)) is not None:
+            out = [base] if n >> k > 1 else []
+            S2 = torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64)
+            while k:
+                j = min(k, SYLVESTER_BLOCK)
+                S = torch.ones(1, 1, dtype=torch.float64)
+                for _ in range(j):
+                    S = torch.kron(S, S2)
+                out.append(S)
+                k -= j
+            return out or [base]
+    return None
 
 
 def hadamard(n: int) -> torch.Tensor:
     """An orthogonal Hadamard matrix ``H / sqrt(n)`` of order ``n`` (float64, ``[n, n]``)."""
-    for k in range(n.bit_length()):
-        if n % (1 << k) == 0 and (base := _paley(n >> k)) is not None:
-            H = base
-            for _ in range(k):
-                H = torch.kron(H, torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64))
-            return H / n**0.5
+    factors = hadamard_factors(n)
+    if factors is not None:
+        H = factors[0]
+        for F in factors[1:]:
+            H = torch.kron(H, F)
+        return H / n**0.5
     near = sorted((m for m in range(max(1, n - 64), n + 65) if hadamard_supported(m)),
                   key=lambda m: abs(m - n))
     raise AttnidError(f"no Hadamard matrix of order {n} here (orders 2^k b with b = 1, p + 1 for a "
                       f"prime p = 3 mod 4, or 2 (p + 1) for a prime p = 1 mod 4; near {n}: "
                       f"{', '.join(map(str, sorted(near[:4])))}); use a random rotation")
+
+
+def kron_right(X: torch.Tensor, factors: list[torch.Tensor], scale: float = 1.0) -> torch.Tensor:
+    """``X [..., n] @ (scale * kron(F_1, ..., F_r))`` without forming the ``[n, n]`` product:
+    the last axis split as ``F``'s sizes (``F_1`` the slowest), each factor applied on its
+    axis (for `hadamard` at 4096: two ``64 x 64`` products per row instead of one ``4096 x
+    4096``, and the same values up to rounding)."""
+    sizes = [F.shape[0] for F in factors]
+    Y = X.reshape(-1, *sizes)
+    for axis, F in enumerate(factors, start=1):
+        F = (F * scale if axis == 1 else F).to(X.dtype)
+        Y = torch.movedim(torch.movedim(Y, axis, -1) @ F, -1, axis)
+    return Y.reshape(X.shape)
 
 
 def random_orthogonal(n: int, gen: torch.Generator) -> torch.Tensor:

@@ -13,10 +13,14 @@ Each takes a `ModelTensors` (or a Hugging Face model, see `attnid.whole.transfor
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
+
 import torch
 
 from attnid.errors import AttnidError
 from attnid.whole.transforms.layout import Layout
+from attnid.whole.transforms.orthogonal import hadamard, hadamard_factors, kron_right
 from attnid.whole.transforms.state import ModelTensors, on_modules, weight_change
 
 
@@ -49,6 +53,38 @@ def check_orthogonal(Q: torch.Tensor, lay: Layout, d: int) -> torch.Tensor:
     return Q
 
 
+Rotate = Callable[[torch.Tensor], torch.Tensor]  # X [..., d] -> X Q
+_last: list[tuple[weakref.ref, int, bool, torch.Tensor, Rotate]] = []  # the rotation checked last
+
+
+def _verified(Q: torch.Tensor, lay: Layout) -> tuple[torch.Tensor, Rotate]:
+    """`check_orthogonal` of ``Q`` and how to apply it, ``X -> X Q``: for `hadamard` ``(d)`` a
+    Kronecker product of small factors (`attnid.whole.transforms.orthogonal.kron_right`: a
+    checkpoint rewritten with R1 = Hadamard costs a few passes over each weight instead of a
+    ``d x d`` product), else the product. The last rotation checked is remembered (the same
+    tensor, unchanged since), so a checkpoint rewritten unit by unit checks it once."""
+    layer_norm = lay.norm == "layer"
+    if _last:
+        ref, version, ln, Q64, rotate = _last[0]
+        if ref() is Q and Q._version == version and (ln or not layer_norm):
+            return Q64, rotate
+    Q64 = check_orthogonal(Q, lay, Q.shape[0])
+    d = Q64.shape[0]
+    factors = hadamard_factors(d)
+    if factors is not None and torch.equal(Q64, hadamard(d)):
+        def rotate(X: torch.Tensor) -> torch.Tensor:
+            return kron_right(X, factors, d**-0.5)
+    else:
+        cast: dict[torch.dtype, torch.Tensor] = {}
+
+        def rotate(X: torch.Tensor) -> torch.Tensor:
+            if X.dtype not in cast:
+                cast[X.dtype] = Q64.to(X.dtype)
+            return X @ cast[X.dtype]
+    _last[:] = [(weakref.ref(Q), Q._version, layer_norm, Q64, rotate)]
+    return Q64, rotate
+
+
 @on_modules
 def residual_rotation(m: ModelTensors, Q: torch.Tensor) -> ModelTensors:
     """``x -> x Q`` on the residual stream (``Q`` orthogonal ``[d, d]``; ``Q 1 = 1`` under
@@ -61,32 +97,29 @@ def residual_rotation(m: ModelTensors, Q: torch.Tensor) -> ModelTensors:
     why = rotation_refusal(lay, None if final is None else m.gain(final))
     if why:
         raise AttnidError(f"cannot rotate the residual stream: {why}")
-    Q = check_orthogonal(Q, lay, Q.shape[0])
+    Q, rotate = _verified(Q, lay)  # X -> X Q; Q^T Y = (Y^T Q)^T
     out: dict[str, torch.Tensor] = {}
     for t in lay.tables:
         if f"{t}.weight" in m:
-            E = m.tensors[f"{t}.weight"]
-            out[f"{t}.weight"] = E @ Q.to(E.dtype)
+            out[f"{t}.weight"] = rotate(m.tensors[f"{t}.weight"])
     for nm in lay.norms:
         if not m.complete([f"{nm.path}.weight", *(f"{r.path}.weight" for r in nm.readers)],
                           f"rotating the readers of {nm.path}"):
             continue
         g, b = m.gain(nm), m.norm_bias(nm)
-        Qg = Q.to(g.dtype)
         for lin in nm.readers:
-            out.update(weight_change(lin, (m.weight(lin) * g[None, :]) @ Qg / g[None, :]))
+            out.update(weight_change(lin, rotate(m.weight(lin) * g[None, :]) / g[None, :]))
         if b is not None:
-            out[f"{nm.path}.bias"] = g * (Qg.T @ (b / g))
+            out[f"{nm.path}.bias"] = g * rotate((b / g)[None, :])[0]
     if lay.tied and final is not None and m.norm_bias(final) is not None:
-        out[f"{final.path}.bias"] = Q.to(m.norm_bias(final).dtype).T @ m.norm_bias(final)
+        out[f"{final.path}.bias"] = rotate(m.norm_bias(final)[None, :])[0]
     for lin in (x for layer in lay.writers for x in layer):
         if not m.has(lin):
             continue
-        W = m.weight(lin)
-        out.update(weight_change(lin, Q.to(W.dtype).T @ W))
+        out.update(weight_change(lin, rotate(m.weight(lin).T).T))
         c = m.bias(lin)
         if c is not None:
-            out[f"{lin.path}.bias"] = Q.to(c.dtype).T @ c
+            out[f"{lin.path}.bias"] = rotate(c[None, :])[0]
     return m.replace(out)
 
 
