@@ -61,7 +61,8 @@ class Trained:
     seed: int
     hf: Path  # the Hugging Face checkpoint (`attnid.train.export.export_hf`)
     steps: int
-    seconds: float  # wall-clock of the training loop alone
+    seconds: float  # wall-clock of training and export
+    cpu_seconds: float  # CPU time of this process over the same span (all threads)
     params: int
     final_loss: float  # the last training batch's loss
     val_loss: float  # held_out_loss: every character of the validation split
@@ -115,11 +116,12 @@ def train_model(arch: str, seed: int, out: Path, *, steps: int | None = None,
         saved = json.loads(record.read_text())
         if saved["config"] == cfg.to_dict():
             return Trained(**{**saved["result"], "hf": Path(saved["result"]["hf"])})
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     summary = train(cfg, out, progress=progress, checkpoint=False, hf=True)
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     assert summary.hf is not None  # train(hf=True) exported it, verified against the model
     result = Trained(arch=arch, seed=seed, hf=summary.hf.path, steps=cfg.steps, seconds=seconds,
+                     cpu_seconds=cpu,
                      params=sum(p.numel() for p in GPT(cfg.model).parameters()),
                      final_loss=summary.final_loss,
                      val_loss=held_out_loss(hf_logits(summary.hf.path), cfg.model.block_size))
@@ -150,8 +152,8 @@ def main() -> None:
         for seed in args.seeds:
             t = train_model(arch, seed, args.out / f"{arch}-{seed}", steps=args.steps)
             print(f"{arch} seed {seed}: {t.params / 1e6:.2f} M parameters, {t.steps} steps in "
-                  f"{t.seconds:.0f} s, final train loss {t.final_loss:.3f}, validation loss "
-                  f"{t.val_loss:.3f} -> {t.hf}", flush=True)
+                  f"{t.seconds:.0f} s ({t.cpu_seconds:.0f} s of CPU), final train loss "
+                  f"{t.final_loss:.3f}, validation loss {t.val_loss:.3f} -> {t.hf}", flush=True)
 
 
 if __name__ == "__main__":
