@@ -20,13 +20,16 @@ import torch
 
 from attnid.checkpoint.load import Checkpoint, open_checkpoint
 from attnid.checkpoint.output import check_out_dir, end_to_end, staged
+from attnid.checkpoint.tokens import read_blocks
 from attnid.checkpoint.units import Units, open_units
 from attnid.errors import AttnidError
 from attnid.io import DTYPES, write_streaming
 from attnid.progress import Progress
 from attnid.testing import tolerance
-from attnid.whole.align import GROUPS, Alignment, align
+from attnid.whole.align import GROUPS, align
 from attnid.whole.transforms.state import ModelTensors
+
+CALIBRATION_TOKENS = 8192  # at most this many calibration tokens are run through both models
 
 
 def open_pair(model_a: str | Path, model_b: str | Path, purpose: str = "read"
@@ -98,13 +101,11 @@ def align_checkpoints(model_a: str | Path, model_b: str | Path, out_dir: str | P
     _, dst = check_out_dir(model_b, out_dir, force)
     apart(dst, a, "A")
     calib = None
-    if calibration is not None:
-        from attnid.whole.align.activations import read_calibration
-
-        calib = read_calibration(a, calibration)
+    if calibration is not None:  # A's tokenizer, before any work
+        calib = read_blocks(a, calibration, option="--calibration", max_tokens=CALIBRATION_TOKENS).ids
     shown = progress if progress is not None else Progress(enabled=False)
     A, B = load_tensors(ua), load_tensors(ub)
-    al = _align(A, B, group, calib, a, shown)
+    al = align(A, B, group=group, calibration=calib, progress=shown.line)  # type: ignore[arg-type]
     from attnid.checkpoint.diff import diff  # the verification: the whole-model invariants
 
     with staged(dst, b.root, {f.path.name for f in b.files}) as tmp:
@@ -128,15 +129,6 @@ def align_checkpoints(model_a: str | Path, model_b: str | Path, out_dir: str | P
             "matching": "weights" if calib is None else "activations", **al.report(),
             "certified": True, "max_residual": worst, "tolerance": check["tolerance"],
             "end_to_end_rel_diff": e2e, "seconds": time.perf_counter() - start}
-
-
-def _align(A: ModelTensors, B: ModelTensors, group: str, calib: Any, ck: Checkpoint,
-           progress: Progress) -> Alignment:
-    if calib is None:
-        return align(A, B, group=group, progress=progress.line)  # type: ignore[arg-type]
-    from attnid.whole.align.activations import align_on_activations
-
-    return align_on_activations(A, B, calib, group=group, progress=progress.line)
 
 
 def check_alpha(alpha: float) -> None:

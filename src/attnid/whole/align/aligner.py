@@ -32,6 +32,14 @@ from torch import nn
 
 import attnid.whole.fit.canonical as C
 from attnid.errors import AttnidError
+from attnid.whole.align.activations import (
+    Activations,
+    collect,
+    head_matching,
+    neuron_matching,
+    stream_permutation,
+    stream_rotation,
+)
 from attnid.whole.align.additive import fit_additive
 from attnid.whole.align.gauges import Kind, pair_fit, scalar_fit
 from attnid.whole.fit.frame import Frame
@@ -146,22 +154,28 @@ def _rows(m: ModelTensors) -> torch.Tensor:
     return E if U is None else torch.cat([E, U])
 
 
-def fit_stream(a: ModelTensors, b: ModelTensors, rotate: bool
+Pair = tuple[Activations, Activations]  # A's and B's activations on the calibration tokens
+
+
+def fit_stream(a: ModelTensors, b: ModelTensors, rotate: bool, acts: Pair | None = None
                ) -> tuple[ModelTensors, torch.Tensor | None, torch.Tensor | None, str]:
-    """B with its stream aligned: ``(b, rotation, permutation, how)``."""
+    """B with its stream aligned: ``(b, rotation, permutation, how)`` (matched on the tables'
+    rows, or on the stream's activations with ``acts``)."""
+    on = "the embedding and unembedding rows" if acts is None else "the stream's activations"
     lay = b.layout
     final = lambda m: None if lay.final is None or f"{lay.final.path}.weight" not in m else m.gain(lay.final)  # noqa: E731
     why = rotation_refusal(lay, final(a)) or rotation_refusal(lay, final(b))
     if rotate and why is None:
-        b = _gains_to(a, b)
-        Q = procrustes(_rows(b), _rows(a), lay.norm == "layer")
-        return residual_rotation(b, Q), Q, None, "rotation fitted on the embedding and unembedding rows"
+        b = _gains_to(a, b)  # the stream itself does not change
+        ln = lay.norm == "layer"
+        Q = procrustes(_rows(b), _rows(a), ln) if acts is None else stream_rotation(*acts, ln)
+        return residual_rotation(b, Q), Q, None, f"rotation fitted on {on}"
     no = permutation_refusal(b)
     if no:
         return b, None, None, f"not aligned: {no}"
-    XA, XB = _rows(a), _rows(b)
-    perm = assignment(-(XA.T @ XB))  # A's coordinate i is B's perm[i]
-    how = "permutation matched on the embedding and unembedding rows"
+    # A's coordinate i is B's perm[i]
+    perm = assignment(-(_rows(a).T @ _rows(b))) if acts is None else stream_permutation(*acts)
+    how = f"permutation matched on {on}"
     if rotate:
         how += f" (no rotation: {why})"
     return residual_permutation(b, perm), None, perm, how
@@ -179,11 +193,17 @@ def _sections(m: ModelTensors, i: int) -> tuple[C.Attention, C.MLP]:
     return att, mlp
 
 
-def fit_permutations(a: ModelTensors, b: ModelTensors, i: int
+def fit_permutations(a: ModelTensors, b: ModelTensors, i: int, acts: Pair | None = None,
+                     Q: torch.Tensor | None = None, perm: torch.Tensor | None = None
                      ) -> tuple[ModelTensors, torch.Tensor, torch.Tensor]:
-    (att_a, mlp_a), (att_b, mlp_b) = _sections(a, i), _sections(b, i)
-    heads = match_heads(att_a.w, att_b.w)
-    neurons = match_neurons(mlp_a, mlp_b)
+    """Layer ``i``'s heads and neurons matched (on gauge-invariant weight features, or on the
+    activations ``acts`` of A and of B before its stream moved by ``Q`` or ``perm``)."""
+    if acts is None:
+        (att_a, mlp_a), (att_b, mlp_b) = _sections(a, i), _sections(b, i)
+        heads, neurons = match_heads(att_a.w, att_b.w), match_neurons(mlp_a, mlp_b)
+    else:
+        heads = head_matching(*acts, i, b.spec(i).n_kv_heads, Q, perm)
+        neurons = neuron_matching(*acts, i, signed=b.layout.mlp != "gated")
     return neuron_permutation(head_permutation(b, i, heads), i, neurons), heads, neurons
 
 
@@ -265,8 +285,11 @@ def fit_norms(a: ModelTensors, b: ModelTensors) -> tuple[ModelTensors, dict[str,
 
 # ---- the whole ---------------------------------------------------------------------------------------
 def align(a: nn.Module | ModelTensors, b: nn.Module | ModelTensors, *, group: Group = "full",
-          progress: Callable[[str], None] | None = None) -> Alignment:
-    """B aligned onto A within ``group`` (see the module); float64 throughout."""
+          calibration: torch.Tensor | None = None, progress: Callable[[str], None] | None = None
+          ) -> Alignment:
+    """B aligned onto A within ``group`` (see the module); float64 throughout. With
+    ``calibration`` (token ids ``[n, T]``) the stream, heads and neurons are matched on both
+    models' activations (`attnid.whole.align.activations`) instead of on the weights."""
     if group not in GROUPS:
         raise AttnidError(f"unknown group {group!r}: one of {', '.join(GROUPS)}")
     A, B = as_tensors(a), as_tensors(b)
@@ -285,9 +308,13 @@ def align(a: nn.Module | ModelTensors, b: nn.Module | ModelTensors, *, group: Gr
     Q = perm = None
     layers = [dict[str, torch.Tensor]() for _ in range(L)]
     how = "not aligned (group none)"
+    acts = None
+    if group != "none" and calibration is not None:
+        acts = (collect(A, calibration), collect(B, calibration))
+        say(f"activations collected on {calibration.numel()} calibration tokens")
     if group != "none":
         before = B
-        B, Q, perm, how = fit_stream(A, B, rotate=group in ("rotation", "full"))
+        B, Q, perm, how = fit_stream(A, B, rotate=group in ("rotation", "full"), acts=acts)
         if group == "full" and Q is None:  # the gauges below are fitted with A's gains
             B = _gains_to(A, B)
         if group == "full" or Q is not None:
@@ -297,7 +324,7 @@ def align(a: nn.Module | ModelTensors, b: nn.Module | ModelTensors, *, group: Gr
     stage("stream", B)
     if group != "none":
         for i in range(L):
-            B, layers[i]["heads"], layers[i]["neurons"] = fit_permutations(A, B, i)
+            B, layers[i]["heads"], layers[i]["neurons"] = fit_permutations(A, B, i, acts, Q, perm)
         say("heads and neurons matched")
     stage("permutations", B)
     if group not in ("none", "permutations"):
