@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from attnid.whole.check import Float64Mode
 from attnid.whole.fit.match import assign_heads, assignment
 from attnid.whole.fit.rotation import procrustes
 from attnid.whole.transforms.state import ModelTensors
@@ -62,7 +63,7 @@ def collect(m: ModelTensors, ids: torch.Tensor, batch: int = 8) -> Activations:
             lambda _, x, i=i: d_in[i].append(x[0].reshape(-1, x[0].shape[-1]))))
     states = []
     try:
-        with torch.no_grad():
+        with torch.no_grad(), Float64Mode():  # transformers' norms and softmax in float64 too
             for k in range(0, ids.shape[0], batch):
                 out = model(input_ids=ids[k:k + batch], output_hidden_states=True)
                 hs = out.hidden_states[:-1]  # the last one is already normed
