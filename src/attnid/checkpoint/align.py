@@ -93,9 +93,10 @@ def as_stored(units: Units, m: ModelTensors) -> ModelTensors:
     return ModelTensors(m.layout, out, m.config)
 
 
-def certify(units: Units, out: ModelTensors, stream_permutation: torch.Tensor | None) -> tuple[float, float]:
-    """`attnid diff`'s fit of the output against B (``units``): ``(worst residual, rounding
-    level)``, refused unless every residual is at rounding. A stream permutation is undone
+def certify(units: Units, b: ModelTensors, out: ModelTensors, stream_permutation: torch.Tensor | None
+            ) -> tuple[float, float]:
+    """`attnid diff`'s fit of the output against B (both as stored): ``(worst residual,
+    rounding level)``, refused unless every residual is at rounding. A stream permutation is undone
     first: it moves stored numbers without arithmetic (so it is exact in any dtype), and
     `attnid diff` fits a rotation only where a rotation is a symmetry (not behind a tied
     head's non-uniform gain, where a permutation still is)."""
@@ -104,7 +105,7 @@ def certify(units: Units, out: ModelTensors, stream_permutation: torch.Tensor | 
 
     if stream_permutation is not None:
         out = residual_permutation(out, torch.argsort(stream_permutation))
-    f = fit(units, TensorSource(out))
+    f = fit(TensorSource(as_stored(units, b)), TensorSource(out))
     residuals = [x for r in f.units for x in r.residuals]
     first = next((x for x in residuals if x.residual > f.tolerance), None)
     if first is not None:
@@ -135,7 +136,7 @@ def align_checkpoints(model_a: str | Path, model_b: str | Path, out_dir: str | P
     A, B = load_tensors(ua), load_tensors(ub)
     al = align(A, B, group=group, calibration=calib, progress=shown.line)  # type: ignore[arg-type]
     stored = as_stored(ub, al.model)
-    worst, tol = certify(ub, stored, al.stream_permutation)
+    worst, tol = certify(ub, B, stored, al.stream_permutation)
     shown.line(f"certified against B: worst residual {worst:.2e} (rounding level {tol:.1e})")
     with staged(dst, b.root, {f.path.name for f in b.files}) as tmp:
         write_tensors(ub, stored, tmp)

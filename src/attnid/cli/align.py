@@ -55,7 +55,7 @@ def align_cmd(
         return
     _print_alignment(r)
     e2e = r["end_to_end_rel_diff"]
-    typer.echo(f"written {r['out_dir']}: certified by attnid diff against B (every residual <= "
+    typer.echo(f"written {out_dir}: certified by attnid diff against B (every residual <= "
                f"{r['max_residual']:.2e}, rounding level {r['tolerance']:.1e}); end to end: "
                + ("skipped (large checkpoint)" if e2e is None else f"{e2e:.2e}"))
 
@@ -73,10 +73,14 @@ def _print_alignment(r: dict) -> None:
             ("head", r["head"]), ("total", r)]
     for name, x in rows:
         table.add_row(name, f"{x['raw_distance']:.4g}", f"{x['aligned_distance']:.4g}",
-                      *(f"{x['shares'][p]:.3f}" for p in PARTS))
+                      *(_share(x["shares"][p]) for p in PARTS))
     out = console()
     out.print(table)
     out.print(f"stream: {r['stream']}")
+
+
+def _share(x: float) -> str:
+    return f"{0.0 if abs(x) < 5e-4 else x:.3f}"  # no "-0.000"
 
 
 @app.command("merge")
@@ -103,7 +107,7 @@ def merge_cmd(
         return
     how = (f"B aligned onto A (group {r['group']}: distance {r['raw_distance']:.4g} -> "
            f"{r['aligned_distance']:.4g})" if align else "B as stored (no alignment)")
-    typer.echo(f"written {r['out_dir']}: (1 - {alpha:g}) A + {alpha:g} B, {how}")
+    typer.echo(f"written {out_dir}: (1 - {alpha:g}) A + {alpha:g} B, {how}")
 
 
 @app.command("barrier")
