@@ -33,25 +33,20 @@ from torch import nn
 import attnid.whole.fit.canonical as C
 from attnid.errors import AttnidError
 from attnid.whole.align.activations import (
-    Activations,
     collect,
     head_matching,
     neuron_matching,
-    stream_permutation,
-    stream_rotation,
 )
 from attnid.whole.align.additive import fit_additive
 from attnid.whole.align.gauges import Kind, pair_fit, scalar_fit
+from attnid.whole.align.stream import Pair, fit_stream, gains_to, permuted, refine_stream
 from attnid.whole.fit.frame import Frame
-from attnid.whole.fit.match import assignment, match_heads, match_neurons
-from attnid.whole.fit.rotation import procrustes
-from attnid.whole.fit.source import TensorSource, assign_units
+from attnid.whole.fit.match import match_heads, match_neurons
+from attnid.whole.fit.source import assign_units
 from attnid.whole.transforms.element import GroupElement, LayerElement
 from attnid.whole.transforms.heads import head_permutation, query_key_transform, value_transform
 from attnid.whole.transforms.mlp import mlp_scaling, neuron_permutation
 from attnid.whole.transforms.norms import foldable, norm_gain_transfer
-from attnid.whole.transforms.permutation import permutation_refusal, residual_permutation
-from attnid.whole.transforms.residual import residual_rotation, rotation_refusal
 from attnid.whole.transforms.state import ModelTensors
 
 Group = Literal["none", "permutations", "orthogonal", "rotation", "full"]
@@ -133,56 +128,6 @@ def unit_distances(a: ModelTensors, b: ModelTensors, unit_of: dict[str, int], co
         seen.add(key)
         sq[unit_of[n]] += float(((t - b.tensors[n]) ** 2).sum())
     return [x**0.5 for x in sq]
-
-
-# ---- 1. the stream ------------------------------------------------------------------------------
-def _gains_to(a: ModelTensors, b: ModelTensors) -> ModelTensors:
-    """B's absorbable norm gains moved to A's (a rotation commutes only with a uniform gain)."""
-    for nm in b.layout.norms:
-        if foldable(nm) and f"{nm.path}.weight" in b:
-            gb = b.gain(nm)
-            s = a.gain(nm) / torch.where(gb == 0, torch.ones_like(gb), gb)
-            b = norm_gain_transfer(b, nm.path, torch.where(s == 0, torch.ones_like(s), s))
-    return b
-
-
-def _rows(m: ModelTensors) -> torch.Tensor:
-    """Gauge-free stream rows (token rows and unembedding rows, centred) for the stream fit."""
-    from attnid.whole.fit.fitter import table_rows
-
-    E, U = table_rows(TensorSource(m), torch.float64)
-    return E if U is None else torch.cat([E, U])
-
-
-Pair = tuple[Activations, Activations]  # A's and B's activations on the calibration tokens
-
-
-def fit_stream(a: ModelTensors, b: ModelTensors, rotate: bool, acts: Pair | None = None
-               ) -> tuple[ModelTensors, torch.Tensor | None, torch.Tensor | None, str]:
-    """B with its stream aligned: ``(b, rotation, permutation, how)`` (matched on the tables'
-    rows, or on the stream's activations with ``acts``)."""
-    on = "the embedding and unembedding rows" if acts is None else "the stream's activations"
-    lay = b.layout
-    final = lambda m: None if lay.final is None or f"{lay.final.path}.weight" not in m else m.gain(lay.final)  # noqa: E731
-    why = rotation_refusal(lay, final(a)) or rotation_refusal(lay, final(b))
-    if rotate and why is None:
-        b = _gains_to(a, b)  # the stream itself does not change
-        ln = lay.norm == "layer"
-        Q = procrustes(_rows(b), _rows(a), ln) if acts is None else stream_rotation(*acts, ln)
-        return residual_rotation(b, Q), Q, None, f"rotation fitted on {on}"
-    no = permutation_refusal(b)
-    if no:
-        return b, None, None, f"not aligned: {no}"
-    # A's coordinate i is B's perm[i]
-    perm = assignment(-(_rows(a).T @ _rows(b))) if acts is None else stream_permutation(*acts)
-    how = f"permutation matched on {on}"
-    if rotate:
-        how += f" (no rotation: {why})"
-    return residual_permutation(b, perm), None, perm, how
-
-
-def _permuted(g: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
-    return g if perm is None else g[perm]
 
 
 # ---- 2. heads and neurons --------------------------------------------------------------------------
@@ -306,7 +251,6 @@ def align(a: nn.Module | ModelTensors, b: nn.Module | ModelTensors, *, group: Gr
 
     gains: dict[str, torch.Tensor] = {}
     Q = perm = None
-    layers = [dict[str, torch.Tensor]() for _ in range(L)]
     how = "not aligned (group none)"
     acts = None
     if group != "none" and calibration is not None:
@@ -315,42 +259,59 @@ def align(a: nn.Module | ModelTensors, b: nn.Module | ModelTensors, *, group: Gr
     if group != "none":
         before = B
         B, Q, perm, how = fit_stream(A, B, rotate=group in ("rotation", "full"), acts=acts)
-        if group == "full" and Q is None:  # the gauges below are fitted with A's gains
-            B = _gains_to(A, B)
+        moved = group == "full" and Q is None  # a permuted stream: the gauges are fitted with A's gains
+
+        def rest(m: ModelTensors, q: torch.Tensor | None, p: torch.Tensor | None) -> ModelTensors:
+            return _fit_layers(A, gains_to(A, m) if moved else m, group, acts, q, p)[0]
+
+        if Q is not None or perm is not None:
+            B, Q, perm, rounds = refine_stream(A, B, Q, perm, rest)
+            how += f"; refined on every stream-side weight ({rounds} rounds)" if rounds else ""
+        B = gains_to(A, B) if moved else B
         if group == "full" or Q is not None:
-            gains = {nm.path: A.gain(nm) / _permuted(before.gain(nm), perm)
+            gains = {nm.path: A.gain(nm) / permuted(before.gain(nm), perm)
                      for nm in lay.norms if foldable(nm) and f"{nm.path}.weight" in B}
         say(f"stream: {how}")
     stage("stream", B)
+    B, layers, refined = _fit_layers(A, B, group, acts, Q, perm, stage)
+    gains = {p: gains.get(p, torch.ones_like(s)) * s for p, s in refined.items()} if refined else gains
+    say("heads, neurons and gauges fitted")
+    dist["aligned"] = dist["additive"]
+    element = GroupElement(rotation=Q, gains=gains, layers=tuple(LayerElement(**x) for x in layers))
+    per_unit = [{k: v[u] for k, v in dist.items()} for u in range(count)]
+    return Alignment(B, group, how, element, perm, per_unit)
+
+
+def _fit_layers(A: ModelTensors, B: ModelTensors, group: str, acts: Pair | None, Q: torch.Tensor | None,
+                perm: torch.Tensor | None, stage: Callable[[str, ModelTensors], None] | None = None
+                ) -> tuple[ModelTensors, list[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+    """Stages 2-5 on B (its stream already aligned): ``(B, per-layer parts, refitted gains)``."""
+    stage = stage or (lambda *_: None)
+    L = len(A.layout.layers)
+    layers = [dict[str, torch.Tensor]() for _ in range(L)]
     if group != "none":
         for i in range(L):
             B, layers[i]["heads"], layers[i]["neurons"] = fit_permutations(A, B, i, acts, Q, perm)
-        say("heads and neurons matched")
     stage("permutations", B)
     if group not in ("none", "permutations"):
         kind: Kind = "gl" if group == "full" else "orthogonal"
         for i in range(L):
             B, M, Cv = fit_attention(A, B, i, kind)
             layers[i] |= {k: v for k, v in (("qk", M), ("vo", Cv)) if v is not None}
-        say(f"attention gauges fitted ({kind})")
     stage("qk", _without_vo(B, layers))
     stage("vo", B)
-    if group == "full" and lay.mlp != "other":
+    if group == "full" and A.layout.mlp != "other":
         for i in range(L):
             B, layers[i]["mlp"] = fit_mlp(A, B, i)
     stage("mlp", B)
+    refined: dict[str, torch.Tensor] = {}
     if group == "full":
         B, refined = fit_norms(A, B)
-        gains = {p: gains.get(p, torch.ones_like(s)) * s for p, s in refined.items()}
     stage("norms", B)
     if group == "full":
         B = fit_additive(A, B)
-        say("MLP scales, norm gains and additive gauges fitted")
     stage("additive", B)
-    dist["aligned"] = dist["additive"]
-    element = GroupElement(rotation=Q, gains=gains, layers=tuple(LayerElement(**x) for x in layers))
-    per_unit = [{k: v[u] for k, v in dist.items()} for u in range(count)]
-    return Alignment(B, group, how, element, perm, per_unit)
+    return B, layers, refined
 
 
 def _without_vo(after_vo: ModelTensors, layers: list[dict[str, torch.Tensor]]) -> ModelTensors:
