@@ -76,7 +76,8 @@ def copy_other_files(src: Path, dst: Path, weights: set[str] | frozenset[str]) -
 
 
 def end_to_end(src: Path, out: Path, config: dict[str, Any]) -> float:
-    """Load both checkpoints with transformers, run probe tokens, return the relative difference."""
+    """Load both checkpoints with transformers, run probe tokens, return the relative difference
+    of their log-probabilities (bare models: hidden states)."""
     require("transformers", "hf")
     import transformers  # optional heavy dependency: loaded only here
 
@@ -104,6 +105,12 @@ def end_to_end(src: Path, out: Path, config: dict[str, Any]) -> float:
     with torch.no_grad():
         ya = a(input_ids=ids)
         yb = b(input_ids=ids)
-    ta = ya.logits if hasattr(ya, "logits") and ya.logits is not None else ya.last_hidden_state
-    tb = yb.logits if hasattr(yb, "logits") and yb.logits is not None else yb.last_hidden_state
+    ta, tb = (_function(y) for y in (ya, yb))
     return float((ta - tb).double().norm() / ta.double().norm())
+
+
+def _function(y: Any) -> torch.Tensor:
+    """What the model computes: log-probabilities (a logit shift is a symmetry), or hidden states."""
+    if getattr(y, "logits", None) is not None:
+        return torch.log_softmax(y.logits.double(), -1)
+    return y.last_hidden_state

@@ -15,7 +15,16 @@ import typer.main
 from typer.core import TyperGroup
 from typer.exceptions import TyperException
 
-from attnid.cli import audit, canonicalize, diff, identify, reproduce, rewrite, training  # noqa: F401  (register commands)
+from attnid.cli import (  # noqa: F401  (register commands)
+    align,
+    audit,
+    canonicalize,
+    diff,
+    identify,
+    reproduce,
+    rewrite,
+    training,
+)
 from attnid.cli.app import app
 from attnid.errors import AttnidError
 

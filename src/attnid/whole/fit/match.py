@@ -68,8 +68,14 @@ def _head_features(w: AttentionWeights, seed: int = 0) -> list[torch.Tensor]:
 def match_heads(A: AttentionWeights, B: AttentionWeights) -> torch.Tensor:
     """``perm [H]``: A's head ``h`` is B's head ``perm[h]`` (groups kept whole)."""
     s = A.spec
-    G, m = s.n_kv_heads, s.group_size
     cost = sum(_sqdist(fa, fb) for fa, fb in zip(_head_features(A), _head_features(B), strict=True))
+    return assign_heads(cost, s.n_kv_heads)
+
+
+def assign_heads(cost: torch.Tensor, G: int) -> torch.Tensor:
+    """``perm [H]`` from a cost ``[H, H]`` (A's heads by B's): heads within each pair of
+    key/value groups, then the groups as wholes."""
+    m = cost.shape[0] // G
     blocks = cost.reshape(G, m, G, m).permute(0, 2, 1, 3)  # [gA, gB, m, m]
     inner = [[assignment(blocks[i, j]) for j in range(G)] for i in range(G)]
     gcost = torch.tensor([[float(blocks[i, j][torch.arange(m), inner[i][j]].sum()) for j in range(G)]

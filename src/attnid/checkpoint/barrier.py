@@ -1,0 +1,131 @@
+"""`attnid barrier`: the loss along the straight path ``(1 - alpha) A + alpha B`` between two
+checkpoints of one causal language model, before and after B is aligned onto A
+(docs/theory.md §13.20). The mid-point barrier is the loss at ``alpha = 0.5`` less the mean
+of the two end losses. The text is tokenized with A's own tokenizer (read offline) and cut
+into blocks of the model's context; the loss is the mean next-token cross-entropy (nats).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from attnid.checkpoint.load import Checkpoint
+from attnid.checkpoint.tokens import Batches, read_blocks
+from attnid.errors import AttnidError
+from attnid.progress import Progress
+from attnid.whole.transforms.state import ModelTensors
+
+
+def check_causal(ck: Checkpoint) -> None:
+    archs = ck.config.get("architectures") or []
+    if not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
+        raise AttnidError(f"{ck.root}: the loss along the path needs a causal language model "
+                          f"(architectures {archs or 'not given'})")
+
+
+class Evaluator:
+    """One Hugging Face model (A's class and config, float32 or float64) whose weights are
+    replaced by each point of the path in turn."""
+
+    def __init__(self, ck: Checkpoint, dtype: torch.dtype = torch.float32) -> None:
+        from attnid.adapters.base import hf_model_class
+
+        self.model = hf_model_class(ck.config).from_pretrained(str(ck.root), dtype=dtype).eval()
+        self.dtype = dtype
+
+    def loss(self, m: ModelTensors, data: Batches) -> float:
+        state = {k: v.to(self.dtype) for k, v in m.tensors.items() if v.is_floating_point()}
+        _, unexpected = self.model.load_state_dict(state, strict=False)
+        if unexpected:
+            raise AttnidError(f"internal: the model has no tensor {unexpected[0]}")
+        total, count = 0.0, 0
+        with torch.no_grad():
+            for i in range(0, data.ids.shape[0], data.batch):
+                x = data.ids[i:i + data.batch]
+                logits = self.model(input_ids=x).logits[:, :-1].to(torch.float64)  # [b, T-1, V]
+                target = x[:, 1:]
+                total += float(torch.nn.functional.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="sum"))
+                count += target.numel()
+        return total / count
+
+
+def path_losses(ev: Evaluator, A: ModelTensors, B: ModelTensors, data: Batches, alphas: list[float],
+                progress: Progress | None = None, label: str = "") -> list[float]:
+    """The loss at each ``alpha`` of the straight path from A to B."""
+    from attnid.checkpoint.align import interpolate
+
+    out = []
+    for k, t in enumerate(alphas):
+        out.append(ev.loss(interpolate(A, B, t), data))
+        if progress is not None:
+            progress.line(f"{label} alpha {t:.3f} ({k + 1}/{len(alphas)}): loss {out[-1]:.4f}")
+    return out
+
+
+def mid_barrier(alphas: list[float], losses: list[float]) -> float:
+    """Loss at ``alpha = 0.5`` (interpolated linearly when not sampled) less the mean end loss."""
+    mid = losses[len(losses) // 2]
+    for k in range(len(alphas) - 1):
+        (x0, y0), (x1, y1) = (alphas[k], losses[k]), (alphas[k + 1], losses[k + 1])
+        if x0 <= 0.5 <= x1:
+            mid = y0 if x1 == x0 else y0 + (y1 - y0) * (0.5 - x0) / (x1 - x0)
+            break
+    return mid - 0.5 * (losses[0] + losses[-1])
+
+
+def check_alphas(n: int) -> list[float]:
+    if n < 3:
+        raise AttnidError(f"--alphas {n}: at least 3 points (both ends and the middle)")
+    return [k / (n - 1) for k in range(n)]
+
+
+def barrier(model_a: str | Path, model_b: str | Path, data: str | Path, *, aligned: bool = False,
+            group: str = "full", alphas: int = 11, context: int | None = None, max_tokens: int = 65536,
+            progress: Progress | None = None) -> dict[str, Any]:
+    """The losses along the path (naive; and aligned with ``aligned``) and their barriers."""
+    from attnid.checkpoint.align import check_group, load_tensors, open_pair
+    from attnid.whole.align import align
+
+    start = time.perf_counter()
+    ts = check_alphas(alphas)
+    check_group(group)
+    a, b, ua, ub = open_pair(model_a, model_b, purpose="barrier")
+    check_causal(a)
+    blocks = read_blocks(a, data, context=context, max_tokens=max_tokens)
+    shown = progress if progress is not None else Progress(enabled=False)
+    A, B = load_tensors(ua), load_tensors(ub)
+    ev = Evaluator(a)
+    curves = {"naive": path_losses(ev, A, B, blocks, ts, shown, "naive")}
+    distances = {"naive": None}
+    if aligned:
+        al = align(A, B, group=group, progress=shown.line)  # type: ignore[arg-type]
+        curves["aligned"] = path_losses(ev, A, al.model, blocks, ts, shown, "aligned")
+        distances = {"raw": al.raw_distance, "aligned": al.aligned_distance}
+    return {"model_a": str(a.path), "model_b": str(b.path), "data": str(data), "tokens": blocks.tokens,
+            "context": int(blocks.ids.shape[1]), "alphas": ts, "group": group if aligned else None,
+            "losses": curves, "barriers": {k: mid_barrier(ts, v) for k, v in curves.items()},
+            "distances": distances if aligned else None, "seconds": time.perf_counter() - start}
+
+
+def plot_path(alphas: list[float], curves: dict[str, list[float]], path: str | Path, title: str = "") -> None:
+    """The loss along the path, one line per curve, the mid-point barrier in the legend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, ys in curves.items():
+        ax.plot(alphas, ys, marker="o", ms=3, label=f"{name} (barrier {mid_barrier(alphas, ys):.3f})")
+    ax.set_xlabel("alpha (0: A, 1: B)")
+    ax.set_ylabel("loss (nats per token)")
+    ax.set_title(title or "loss along the straight path", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

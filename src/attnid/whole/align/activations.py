@@ -1,0 +1,119 @@
+"""Matching from activations on calibration tokens (`attnid align --calibration`; docs/theory.md
+§13.20): both models are run (float64, transformers' own classes) on the same token blocks,
+and what is matched is what each part of the group moves:
+
+* the residual stream, every layer's input (embeddings and each layer's output but the last,
+  which the final norm has already seen): ``x -> x Q``, so Procrustes on the stacked states
+  (each row centred under LayerNorm, which ignores all-ones) gives the rotation, and linear
+  assignment on their column correlations the permutation;
+* each head's contribution to the stream, ``z_h W_O^h`` (every per-group gauge leaves it, the
+  stream rotation moves it by ``Q``): heads are matched on the cosine of these, groups kept
+  whole;
+* each MLP neuron's activation (the down projection's input: a per-neuron scale multiplies it,
+  a permutation reorders it): neurons matched on correlation (absolute for gated MLPs, whose
+  up half may take a negative scale).
+
+The continuous gauges are then fitted on the weights as without calibration.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from attnid.whole.check import Float64Mode
+from attnid.whole.fit.match import assign_heads, assignment
+from attnid.whole.fit.rotation import procrustes
+from attnid.whole.transforms.state import ModelTensors
+
+
+@dataclass(frozen=True)
+class Activations:
+    """One model's activations on the calibration tokens (``N`` token positions)."""
+
+    stream: torch.Tensor  # [N (L), d]: every layer's input, stacked
+    heads: list[torch.Tensor]  # per layer [H, N, d]: each head's write into the stream
+    neurons: list[torch.Tensor]  # per layer [N, f]
+
+
+def module_of(m: ModelTensors) -> nn.Module:
+    """A float64 transformers model holding ``m``'s tensors (eager attention)."""
+    from attnid.adapters.base import new_hf_model
+
+    model = new_hf_model(m.config, head=True, eager=True).double().eval()
+    model.load_state_dict({k: v.to(torch.float64) for k, v in m.tensors.items()}, strict=False)
+    return model
+
+
+def collect(m: ModelTensors, ids: torch.Tensor, batch: int = 8) -> Activations:
+    """Run ``m`` on token blocks ``ids [n, T]`` and keep what the matching reads."""
+    lay = m.layout
+    model = module_of(m)
+    L = len(lay.layers)
+    o_in: list[list[torch.Tensor]] = [[] for _ in range(L)]
+    d_in: list[list[torch.Tensor]] = [[] for _ in range(L)]
+    hooks = []
+    for i in range(L):
+        o_lin, down = lay.writers[i][0], lay.mlps[i][1]
+        hooks.append(model.get_submodule(o_lin.path).register_forward_pre_hook(
+            lambda _, x, i=i: o_in[i].append(x[0].reshape(-1, x[0].shape[-1]))))
+        hooks.append(model.get_submodule(down.path).register_forward_pre_hook(
+            lambda _, x, i=i: d_in[i].append(x[0].reshape(-1, x[0].shape[-1]))))
+    states = []
+    try:
+        with torch.no_grad(), Float64Mode():  # transformers' norms and softmax in float64 too
+            for k in range(0, ids.shape[0], batch):
+                out = model(input_ids=ids[k:k + batch], output_hidden_states=True)
+                hs = out.hidden_states[:-1]  # the last one is already normed
+                states.append(torch.cat([h.reshape(-1, h.shape[-1]) for h in hs]))
+    finally:
+        for h in hooks:
+            h.remove()
+    heads = []
+    for i in range(L):
+        s = m.spec(i)
+        z = torch.cat(o_in[i]).reshape(-1, s.n_heads, s.v_head_dim)  # [N, H, dv]
+        W = m.weight(lay.writers[i][0]).T.reshape(s.n_heads, s.v_head_dim, -1)  # [H, dv, d]
+        heads.append(torch.einsum("nhv,hvd->hnd", z, W))
+    return Activations(torch.cat(states), heads, [torch.cat(x) for x in d_in])
+
+
+def _centred(X: torch.Tensor, layer_norm: bool) -> torch.Tensor:
+    return X - X.mean(-1, keepdim=True) if layer_norm else X
+
+
+def stream_rotation(a: Activations, b: Activations, layer_norm: bool) -> torch.Tensor:
+    """``Q`` minimising ``||S_B Q - S_A||`` over the stacked stream states."""
+    return procrustes(_centred(b.stream, layer_norm), _centred(a.stream, layer_norm), layer_norm)
+
+
+def _standard(X: torch.Tensor) -> torch.Tensor:
+    X = X - X.mean(0, keepdim=True)
+    return X / X.norm(dim=0, keepdim=True).clamp_min(1e-300)
+
+
+def stream_permutation(a: Activations, b: Activations) -> torch.Tensor:
+    """``perm [d]``: A's stream coordinate ``i`` is B's ``perm[i]`` (correlation of states)."""
+    return assignment(-(_standard(a.stream).T @ _standard(b.stream)))
+
+
+def head_matching(a: Activations, b: Activations, layer: int, n_kv_heads: int,
+                  Q: torch.Tensor | None = None, perm: torch.Tensor | None = None) -> torch.Tensor:
+    """``perm [H]`` of B's heads (B's writes taken into A's stream frame by ``Q`` or ``perm``)."""
+    xa, xb = a.heads[layer], b.heads[layer]  # [H, N, d]
+    if Q is not None:
+        xb = xb @ Q
+    if perm is not None:
+        xb = xb[..., perm]
+    fa, fb = xa.flatten(1), xb.flatten(1)
+    fa = fa / fa.norm(dim=1, keepdim=True).clamp_min(1e-300)
+    fb = fb / fb.norm(dim=1, keepdim=True).clamp_min(1e-300)
+    return assign_heads(1 - fa @ fb.T, n_kv_heads)
+
+
+def neuron_matching(a: Activations, b: Activations, layer: int, signed: bool) -> torch.Tensor:
+    """``perm [f]`` of B's neurons (correlation; ``signed=False``: its absolute value)."""
+    corr = _standard(a.neurons[layer]).T @ _standard(b.neurons[layer])  # [f, f]
+    return assignment(-(corr if signed else corr.abs()))

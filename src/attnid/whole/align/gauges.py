@@ -1,0 +1,134 @@
+"""The continuous gauges that bring B closest to A (docs/theory.md §13.20). Every gauge of a
+layer acts as a pair: one factor ``X`` times ``M``, the other ``Y`` times ``M^{-T}`` (Q/K:
+the stacked queries of a key/value group and its keys; V/O: the values and the group's output
+rows transposed; an MLP neuron: its up row and its down column, ``M`` a scalar; a norm
+coordinate: its gain and bias and its readers' column). So one problem serves all,
+
+    min_M  ||X_B M - X_A||^2 + ||Y_B M^{-T} - Y_A||^2,
+
+over the orthogonal group (then ``M^{-T} = M``: Procrustes on the stacked ``[X; Y]``), or over
+the invertible maps (not convex: the better of the orthogonal solution and the one-sided least
+squares ``X_B M = X_A``, refined by L-BFGS; exact for an exact rewrite, where the one-sided fit
+already reaches zero), and, under RoPE, inside the commutant (per rotated plane a rotation, or
+a scaled rotation, and any map on the pass-through dims). For a scalar the problem is the
+quartic ``a c^4 - b c^3 + q c - p = 0`` of its stationary points, solved exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from attnid.rope import plane_dims, project_commutant
+from attnid.spec import AttentionSpec
+from attnid.whole.fit.rotation import polar
+
+Kind = Literal["orthogonal", "gl"]
+
+
+def objective(XB: torch.Tensor, XA: torch.Tensor, YB: torch.Tensor, YA: torch.Tensor,
+              M: torch.Tensor) -> torch.Tensor:
+    """``[G]`` the pair's squared distance after ``M [G, k, k]`` (``X, Y [G, n, k]``)."""
+    inv_t = torch.linalg.inv(M).mT
+    return ((XB @ M - XA) ** 2).sum((-2, -1)) + ((YB @ inv_t - YA) ** 2).sum((-2, -1))
+
+
+def _orthogonal(XB: torch.Tensor, XA: torch.Tensor, YB: torch.Tensor, YA: torch.Tensor,
+                spec: AttentionSpec | None) -> torch.Tensor:
+    """Procrustes on ``[X; Y]``, in the RoPE commutant when ``spec`` rotates dims."""
+    S = torch.cat([XB, YB], -2).mT @ torch.cat([XA, YA], -2)  # [G, k, k]
+    r = 0 if spec is None else spec.rope_dims
+    if r == 0:
+        return torch.stack([polar(s) for s in S])
+    M = torch.zeros_like(S)
+    if r < S.shape[-1]:
+        M[..., r:, r:] = torch.stack([polar(s[r:, r:]) for s in S])
+    i1, i2 = plane_dims(spec)
+    a = S[..., i1, i1] + S[..., i2, i2]  # <x1, y1> + <x2, y2> per plane
+    b = S[..., i1, i2] - S[..., i2, i1]
+    n = (a**2 + b**2).sqrt().clamp_min(1e-300)
+    a, b = torch.where(n > 1e-300, a / n, torch.ones_like(a)), b / n
+    M[..., i1, i1], M[..., i2, i2], M[..., i1, i2], M[..., i2, i1] = a, a, b, -b
+    return M
+
+
+def _one_sided(XB: torch.Tensor, XA: torch.Tensor, spec: AttentionSpec | None) -> torch.Tensor:
+    from attnid.symmetry.invariants import _fit
+
+    if spec is None:
+        return torch.linalg.lstsq(XB, XA).solution
+    return _fit(XB, XA, spec)
+
+
+def pair_fit(XB: torch.Tensor, XA: torch.Tensor, YB: torch.Tensor, YA: torch.Tensor, kind: Kind,
+             spec: AttentionSpec | None = None, steps: int = 60) -> torch.Tensor:
+    """``M [G, k, k]`` minimising :func:`objective` (see the module); ``spec``: stay in its
+    RoPE commutant (Q/K)."""
+    M = _orthogonal(XB, XA, YB, YA, spec)
+    if kind == "orthogonal":
+        return M
+    cands = [M]
+    ls = _one_sided(XB, XA, spec)
+    if bool(torch.isfinite(ls).all()) and bool((torch.linalg.svdvals(ls)[..., -1] > 1e-8).all()):
+        cands.append(ls)
+    costs = torch.stack([objective(XB, XA, YB, YA, c) for c in cands])  # [n, G]
+    best = torch.stack([cands[int(k)][g] for g, k in enumerate(costs.argmin(0))])
+    return _refine(XB, XA, YB, YA, best, spec, steps)
+
+
+def _refine(XB: torch.Tensor, XA: torch.Tensor, YB: torch.Tensor, YA: torch.Tensor, M0: torch.Tensor,
+            spec: AttentionSpec | None, steps: int) -> torch.Tensor:
+    """L-BFGS from ``M0`` (each group kept only where it improves)."""
+    start = objective(XB, XA, YB, YA, M0)
+    scale = float(sum((t**2).sum() for t in (XA, YA)))
+    if steps == 0 or float(start.max()) <= 1e-24 * max(scale, 1e-300):
+        return M0
+    P = M0.clone().requires_grad_(True)
+    opt = torch.optim.LBFGS([P], max_iter=steps, line_search_fn="strong_wolfe", tolerance_grad=1e-14,
+                            tolerance_change=1e-16)
+    project = (lambda x: project_commutant(x, spec)) if spec is not None and spec.rope_dims else (lambda x: x)
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = objective(XB, XA, YB, YA, project(P)).sum() / max(scale, 1e-300)
+        loss.backward()
+        return loss
+
+    try:
+        opt.step(closure)
+    except torch.linalg.LinAlgError:  # a singular step: keep the start
+        return M0
+    M = project(P.detach())
+    if not bool(torch.isfinite(M).all()):
+        return M0
+    with torch.no_grad():
+        end = objective(XB, XA, YB, YA, M)
+    keep = (end < start) & torch.isfinite(end)
+    return torch.where(keep[:, None, None], M, M0)
+
+
+def scalar_fit(a: torch.Tensor, b: torch.Tensor, p: torch.Tensor, q: torch.Tensor, *,
+               positive: bool = False) -> torch.Tensor:
+    """Per entry the ``c != 0`` minimising ``a c^2 - 2 b c + p / c^2 - 2 q / c`` (``a = |x_B|^2``,
+    ``b = <x_B, x_A>``, ``p = |y_B|^2``, ``q = <y_B, y_A>``): ``||c x_B - x_A||^2 + ||y_B / c -
+    y_A||^2`` up to a constant. Its stationary points are the real roots of ``a c^4 - b c^3 +
+    q c - p``; ``positive``: only ``c > 0`` (ReLU); 1 where nothing moves."""
+    a, b, p, q = (t.to(torch.float64) for t in (a, b, p, q))
+    n = a.shape[0]
+    lead = a.clamp_min(1e-300)
+    comp = torch.zeros(n, 4, 4, dtype=torch.float64)  # companion of c^4 + (-b/a) c^3 + 0 c^2 + (q/a) c - p/a
+    comp[:, 1:, :3] = torch.eye(3, dtype=torch.float64)
+    comp[:, :, 3] = torch.stack([p / lead, -q / lead, torch.zeros_like(a), b / lead], 1)
+    roots = torch.linalg.eigvals(comp)  # [n, 4]
+    real = roots.real
+    ok = (roots.imag.abs() <= 1e-8 * roots.abs().clamp_min(1e-300)) & (real.abs() > 1e-12)
+    if positive:
+        ok &= real > 0
+    c = torch.cat([real, torch.ones(n, 1, dtype=torch.float64)], 1)  # 1: no scaling
+    ok = torch.cat([ok, torch.ones(n, 1, dtype=torch.bool)], 1)
+    f = a[:, None] * c**2 - 2 * b[:, None] * c + p[:, None] / c**2 - 2 * q[:, None] / c
+    f = torch.where(ok, f, torch.full_like(f, float("inf")))
+    best = c.gather(1, f.argmin(1, keepdim=True))[:, 0]
+    idle = (a == 0) & (p == 0)
+    return torch.where(idle, torch.ones_like(best), best)

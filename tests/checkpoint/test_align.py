@@ -1,0 +1,235 @@
+"""`attnid align`, `attnid merge`, `attnid barrier` on tiny checkpoints with a character-level
+tokenizer: B = a random group element applied to A is aligned back onto A to float32 rounding,
+and the output is certified by `attnid diff` against B (exit 0) and runs to B's
+log-probabilities; merging a model with itself is the identity, alpha = 0 gives A and alpha =
+1 the aligned B; the barrier of a model with itself is zero and the aligned path of A to its
+own rewrite is flat; bad input is refused in one line before any work, nothing written."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from attnid.cli import main
+
+from .test_fuzz import assert_one_error, fingerprint
+
+LLAMA = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=32, num_attention_heads=4,
+             num_key_value_heads=2, num_hidden_layers=2, intermediate_size=48, vocab_size=64,
+             max_position_embeddings=64, tie_word_embeddings=False)
+GPT2 = dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], n_embd=32, n_head=4, n_layer=2, n_inner=48,
+            vocab_size=64, n_positions=64)
+TEXT = "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer. " * 8
+
+
+def char_tokenizer(d: Path, vocab: int = 64) -> None:
+    """A character-level tokenizer (ids below ``vocab``) saved next to a checkpoint."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    chars = {chr(c): i + 1 for i, c in enumerate(range(32, 32 + vocab - 1))}
+    tok = Tokenizer(models.WordLevel({"<unk>": 0, **chars}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(d)
+
+
+def save(model, root: Path, name: str, tokenizer: bool = True) -> Path:
+    d = root / name
+    model.float().save_pretrained(d)
+    if tokenizer:
+        char_tokenizer(d)
+    return d
+
+
+def build(config: dict, seed: int):
+    import transformers
+
+    c = dict(config)
+    conf = transformers.AutoConfig.for_model(c.pop("model_type"), **c)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(conf).double()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ("norm" in n or "ln_" in n) and n.endswith("weight"):
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    """Per family: A, B (A moved by a random group element), C (another seed), the text."""
+    from attnid.whole import transforms as T
+
+    from ..whole.test_fit import element
+
+    root = tmp_path_factory.mktemp("align")
+    out = {}
+    for name, config in (("llama", LLAMA), ("gpt2", GPT2)):
+        A, C = build(config, 0), build(config, 1)
+        B = T.apply_element(A, element(A))
+        out[name] = {k: save(m, root, f"{name}-{k}") for k, m in (("a", A), ("b", B), ("c", C))}
+    (root / "text.txt").write_text(TEXT)
+    out["text"] = root / "text.txt"
+    return out
+
+
+def run(capsys, *args) -> tuple[int, dict | None, str]:
+    code = main([*map(str, args), "--json"])
+    out, err = capsys.readouterr()
+    return code, (json.loads(out) if out.strip() else None), err
+
+
+def tensors(d: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(d / "model.safetensors")
+
+
+def log_probs(d: Path) -> torch.Tensor:
+    import transformers
+
+    m = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float64).eval()
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return torch.log_softmax(m(input_ids=ids).logits, -1)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("calibration", [False, True], ids=["weights", "activations"])
+def test_align_recovers_a_rewrite_and_is_certified(family, calibration, pairs, tmp_path, capsys):
+    p = pairs[family]
+    before = {k: fingerprint(v) for k, v in p.items()}
+    out = tmp_path / "out"
+    extra = ["--calibration", pairs["text"]] if calibration else []
+    code, r, err = run(capsys, "align", p["a"], p["b"], out, *extra)
+    assert code == 0, err
+    rel = r["aligned_distance"] / r["raw_distance"]
+    assert r["raw_distance"] > 1 and rel < 1e-6, f"{family}: aligned/raw {rel:.1e} (float32 rounding ~1e-7)"
+    assert r["certified"] and r["end_to_end_rel_diff"] < 1e-5, r
+    assert r["matching"] == ("activations" if calibration else "weights")
+    a = tensors(p["a"])
+    worst = max(float((t.double() - a[k].double()).norm() / a[k].double().norm().clamp_min(1e-30))
+                for k, t in tensors(out).items())
+    assert worst < 1e-5, f"{family}: a tensor of the output is {worst:.1e} (relative) from A's"
+    code, d, err = run(capsys, "diff", p["b"], out)
+    assert code == 0 and d["certified"], err
+    lb, lo = log_probs(p["b"]), log_probs(out)
+    assert float((lb - lo).norm() / lb.norm()) < 1e-5
+    assert {k: fingerprint(v) for k, v in p.items()} == before, "an input was modified"
+    assert len(r["layers"]) == 2 and set(r["shares"]) >= {"stream", "permutations", "qk", "vo", "mlp"}
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_align_of_unrelated_models_is_certified(family, pairs, tmp_path, capsys):
+    p = pairs[family]
+    """Llama (untied): the stream rotates, and `attnid diff` certifies the output as it is.
+    GPT-2 (tied, non-uniform final gain): the stream can only be permuted, which `attnid diff`
+    does not fit; align certifies after undoing it (exact: no arithmetic), and the output runs
+    to B's log-probabilities."""
+    code, r, err = run(capsys, "align", p["a"], p["c"], tmp_path / "out")
+    assert code == 0 and r["certified"], err
+    assert r["aligned_distance"] < r["raw_distance"], r
+    code, d, err = run(capsys, "diff", p["c"], tmp_path / "out")
+    if family == "llama":
+        assert r["stream"].startswith("rotation") and code == 0, err
+    else:
+        assert r["stream"].startswith("permutation") and code == 1 and d["break"]["layer"] is None, d["break"]
+    lc, lo = log_probs(p["c"]), log_probs(tmp_path / "out")
+    assert float((lc - lo).norm() / lc.norm()) < 1e-5
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_merge_ends_and_identity(family, pairs, tmp_path, capsys):
+    p = pairs[family]
+    a = tensors(p["a"])
+    code, _, err = run(capsys, "merge", p["a"], p["a"], tmp_path / "same")
+    assert code == 0, err
+    same = tensors(tmp_path / "same")
+    assert all(torch.equal(t, a[k]) for k, t in same.items()), "merge of A with A is not A"
+    code, _, err = run(capsys, "merge", p["a"], p["c"], tmp_path / "zero", "--alpha", "0", "--align")
+    assert code == 0, err
+    assert all(torch.equal(t, a[k]) for k, t in tensors(tmp_path / "zero").items()), "alpha 0 is not A"
+    run(capsys, "align", p["a"], p["c"], tmp_path / "aligned")
+    code, r, err = run(capsys, "merge", p["a"], p["c"], tmp_path / "one", "--alpha", "1", "--align")
+    assert code == 0 and r["aligned"], err
+    al = tensors(tmp_path / "aligned")
+    one = tensors(tmp_path / "one")
+    assert all(torch.equal(t, al[k]) for k, t in one.items()), "alpha 1 is not aligned B"
+    code, r, err = run(capsys, "merge", p["a"], p["c"], tmp_path / "half")
+    c = tensors(p["c"])
+    mid = tensors(tmp_path / "half")
+    assert all(torch.allclose(t, (a[k] + c[k]) / 2, atol=1e-6) for k, t in mid.items())
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_barrier(family, pairs, tmp_path, capsys):
+    p = pairs[family]
+    code, r, err = run(capsys, "barrier", p["a"], p["a"], "--data", pairs["text"], "--alphas", "3")
+    assert code == 0, err
+    ys = r["losses"]["naive"]
+    assert r["barriers"]["naive"] == 0.0 and max(ys) == min(ys), r
+    plot = tmp_path / "barrier.png"
+    code, r, err = run(capsys, "barrier", p["a"], p["b"], "--align", "--data", pairs["text"], "--alphas", "5",
+                       "--plot", plot)
+    assert code == 0 and plot.stat().st_size > 1000, err
+    ys = r["losses"]["aligned"]
+    assert max(ys) - min(ys) < 1e-4 * max(ys), f"the aligned path to A's own rewrite is not flat: {ys}"
+    assert abs(r["barriers"]["aligned"]) < 1e-4 and r["alphas"] == [0, 0.25, 0.5, 0.75, 1]
+    assert r["losses"]["naive"][0] == ys[0] and abs(r["losses"]["naive"][-1] - ys[-1]) < 1e-4
+
+
+def _bad_cases(p: dict, root: Path, tmp: Path) -> dict[str, tuple[list, str]]:
+    a, b, text = p["llama"]["a"], p["llama"]["c"], p["text"]
+    out = tmp / "out"
+    return {
+        "other-architecture-align": (["align", a, p["gpt2"]["a"], out], "not the same architecture"),
+        "other-architecture-merge": (["merge", a, p["gpt2"]["a"], out], "not the same architecture"),
+        "other-architecture-barrier": (["barrier", a, p["gpt2"]["a"], "--data", text],
+                                       "not the same architecture"),
+        "missing-data": (["barrier", a, b, "--data", tmp / "none.txt"], "--data"),
+        "short-data": (["barrier", a, b, "--data", root / "short.txt"], "fewer than one block"),
+        "missing-calibration": (["align", a, b, out, "--calibration", tmp / "none.txt"], "--calibration"),
+        "missing-tokenizer": (["barrier", root / "bare", b, "--data", text], "tokenizer"),
+        "alpha-high": (["merge", a, b, out, "--alpha", "1.5"], "--alpha"),
+        "alpha-nan": (["merge", a, b, out, "--alpha", "nan"], "--alpha"),
+        "alphas-two": (["barrier", a, b, "--data", text, "--alphas", "2"], "--alphas"),
+        "group": (["align", a, b, out, "--group", "rotations"], "--group"),
+        "out-is-a": (["align", a, b, a], "OUT_DIR"),
+        "out-is-b": (["merge", a, b, b], "OUT_DIR"),
+        "out-not-empty": (["align", a, b, root], "not empty"),
+        "plot-folder": (["barrier", a, b, "--data", text, "--plot", tmp / "no" / "x.png"], "--plot"),
+        "plot-format": (["barrier", a, b, "--data", text, "--plot", tmp / "x.nope"], "nope"),
+        "context": (["barrier", a, b, "--data", text, "--context", "1000"], "--context"),
+        "missing-model": (["align", tmp / "nothing", b, out], "nothing"),
+    }
+
+
+CASE_NAMES = ["other-architecture-align", "other-architecture-merge", "other-architecture-barrier",
+              "missing-data", "short-data", "missing-calibration", "missing-tokenizer", "alpha-high",
+              "alpha-nan", "alphas-two", "group", "out-is-a", "out-is-b", "out-not-empty", "plot-folder",
+              "plot-format", "context", "missing-model"]
+
+
+@pytest.fixture(scope="module")
+def bad_root(pairs, tmp_path_factory):
+    import shutil
+
+    root = tmp_path_factory.mktemp("bad")
+    (root / "short.txt").write_text("ab")
+    shutil.copytree(pairs["llama"]["a"], root / "bare", ignore=shutil.ignore_patterns("tokenizer*"))
+    return root
+
+
+@pytest.mark.parametrize("case", CASE_NAMES)
+def test_bad_input_one_error_line(case, pairs, bad_root, tmp_path, capsys):
+    args, words = _bad_cases(pairs, bad_root, tmp_path)[case]
+    before = {d: fingerprint(d) for d in (pairs["llama"]["a"], pairs["llama"]["c"], bad_root)}
+    code = main([str(x) for x in args])
+    assert_one_error(code, capsys.readouterr().err, "", [words])
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".*tmp")), "something was written"
+    assert {d: fingerprint(d) for d in before} == before, "an input was modified"

@@ -1,0 +1,182 @@
+"""`attnid.whole.align.align` on Hugging Face's own classes in float64: B built as a random group
+element applied to A aligns back onto A exactly (every family with transforms; the stream
+permuted where it cannot rotate; from weights and from activations); every variant of the
+group gives a model that computes B's function; the larger groups never leave B farther from
+A; under RoPE the Q/K gauges stay in the commutant (a full invertible per-head map would change
+the function); the inputs are never modified; the gauge fits are exact where they must be."""
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from attnid.errors import AttnidError
+from attnid.rope import project_commutant
+from attnid.symmetry.gauge import Gauge, apply_gauge
+from attnid.testing import TOLERANCE
+from attnid.whole import transforms as T
+from attnid.whole.align import GROUPS, align
+from attnid.whole.align.gauges import objective, pair_fit, scalar_fit
+from attnid.whole.check import tiny_model
+from attnid.whole.transforms.permutation import residual_permutation
+
+from .test_fit import element
+from .test_rewrites import FAMILIES
+from .test_whole_transforms import function
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def module(template, m: T.ModelTensors):
+    """A copy of ``template`` holding ``m``'s tensors."""
+    import copy
+
+    out = copy.deepcopy(template)
+    out.load_state_dict(dict(m.tensors), strict=False)
+    return out
+
+
+def function_error(B, aligned: T.ModelTensors) -> float:
+    fb, fm = function(B), function(module(B, aligned))
+    return float((fb - fm).norm() / fb.norm())
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_random_element_aligns_back_exactly(family):
+    A = tiny_model(FAMILIES[family], seed=0)
+    B = T.apply_element(A, element(A))
+    al = align(A, B, group="full")
+    rel = al.aligned_distance / al.raw_distance
+    assert al.raw_distance > 1.0 and rel < 1e-12, f"{family}: aligned/raw = {rel:.1e}"
+    err = function_error(B, al.model)
+    assert err < TOLERANCE[torch.float64], f"{family}: the aligned model differs from B by {err:.1e}"
+
+
+@pytest.mark.parametrize("family", ["llama-tied", "gpt2-untied", "qwen3-qk-norm"])
+def test_a_permuted_stream_aligns_back_exactly(family):
+    """The stream permuted (a symmetry even behind a tied head's non-uniform gain): found again."""
+    A = tiny_model(FAMILIES[family], seed=0)
+    d = A.config.hidden_size
+    B = residual_permutation(T.apply_element(A, element(A)), torch.randperm(d, generator=gen(4)))
+    al = align(A, B, group="full")
+    assert al.aligned_distance < 1e-12 * al.raw_distance, (family, al.stream, al.aligned_distance)
+    assert function_error(B, al.model) < TOLERANCE[torch.float64]
+
+
+@pytest.mark.parametrize("family", ["llama-gqa", "gpt2-untied", "qwen2-bias-gqa", "llama-tied"])
+def test_calibration_matching_aligns_back_exactly(family):
+    A = tiny_model(FAMILIES[family], seed=0)
+    B = T.apply_element(A, element(A))
+    ids = torch.randint(0, A.config.vocab_size, (4, 6), generator=gen(2))
+    al = align(A, B, group="full", calibration=ids)
+    assert "activations" in al.stream, al.stream
+    assert al.aligned_distance < 1e-10 * al.raw_distance, (family, al.aligned_distance)
+
+
+CASES = [pytest.param(f, g, id=f"{f}-{g}") for f in ("llama-gqa", "qwen2-bias-gqa", "gpt2-untied",
+                                                     "neox-parallel", "bert", "llama-tied", "phi3")
+         for g in GROUPS]
+
+
+@pytest.mark.parametrize(("family", "group"), CASES)
+def test_every_variant_keeps_b_function(family, group):
+    """Two unrelated models (seeds 0 and 1): whatever part of the group is used, the result
+    computes B's function."""
+    A, B = (tiny_model(FAMILIES[family], seed=s) for s in (0, 1))
+    al = align(A, B, group=group)
+    err = function_error(B, al.model)
+    assert err < TOLERANCE[torch.float64], f"{family} {group}: differs from B by {err:.1e}"
+    report = al.report()
+    shares = sum(report["shares"].values())
+    expect = 1 - (al.aligned_distance / al.raw_distance) ** 2
+    assert abs(shares - expect) < 1e-9, (shares, expect)
+
+
+@pytest.mark.parametrize("family", ["llama-gqa", "gpt2-untied", "neox-parallel", "llama-tied"])
+def test_larger_groups_bring_b_closer(family):
+    A, B = (tiny_model(dict(FAMILIES[family]), seed=s) for s in (0, 1))
+    d = {g: align(A, B, group=g).aligned_distance for g in GROUPS}
+    assert d["orthogonal"] <= d["permutations"] + 1e-9, d
+    assert d["full"] <= d["rotation"] + 1e-9, d
+    assert d["full"] < d["none"], d
+
+
+def test_rope_qk_gauge_stays_in_the_commutant():
+    """A full invertible Q/K map per group changes a RoPE model's function (so it is no
+    symmetry and `query_key_transform` refuses it); every Q/K gauge the aligner fits on two
+    unrelated models lies in the commutant."""
+    cfg = FAMILIES["llama-gqa"]
+    A, B = (tiny_model(cfg, seed=s) for s in (0, 1))
+    mt = T.ModelTensors.of(A)
+    w, s = mt.attention(0), mt.spec(0)
+    M = torch.eye(s.head_dim, dtype=torch.float64) + 0.5 * torch.randn(s.n_kv_heads, s.head_dim, s.head_dim,
+                                                                        generator=gen(1), dtype=torch.float64)
+    off = float((project_commutant(M, s) - M).norm() / M.norm())
+    assert s.rope_dims > 0 and off > 0.1, off
+    broken = mt.replace(mt.attention_changes(0, apply_gauge(w, Gauge(S=M))))
+    err = function_error(A, broken)
+    assert err > 1e-3, f"a GL Q/K map under RoPE kept the function ({err:.1e})"
+    with pytest.raises(AttnidError, match="commute with RoPE"):
+        T.query_key_transform(A, 0, M)
+    al = align(A, B, group="full")
+    for i, le in enumerate(al.element.layers):
+        gap = float((project_commutant(le.qk, s) - le.qk).norm() / le.qk.norm())
+        assert gap < 1e-12, f"layer {i}: the fitted Q/K gauge leaves the commutant by {gap:.1e}"
+
+
+def test_inputs_are_not_modified():
+    A, B = (tiny_model(FAMILIES["qwen2-bias-gqa"], seed=s) for s in (0, 1))
+    before = [{k: v.clone() for k, v in m.state_dict().items()} for m in (A, B)]
+    align(A, B, group="full")
+    for m, snap in zip((A, B), before, strict=True):
+        assert all(torch.equal(v, snap[k]) for k, v in m.state_dict().items())
+
+
+def test_unknown_group_and_other_architectures_are_refused():
+    A = tiny_model(FAMILIES["llama-gqa"], seed=0)
+    with pytest.raises(AttnidError, match="unknown group"):
+        align(A, A, group="rotations")  # type: ignore[arg-type]
+    with pytest.raises(AttnidError, match="not the same architecture"):
+        align(A, tiny_model(FAMILIES["gpt2-untied"], seed=0))
+
+
+# ---- the gauge fits -----------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["orthogonal", "gl"])
+def test_pair_fit_recovers_an_exact_gauge(kind):
+    XA, YA = torch.randn(3, 20, 4, generator=gen(0), dtype=torch.float64), torch.randn(
+        3, 12, 4, generator=gen(1), dtype=torch.float64)
+    if kind == "orthogonal":
+        M = torch.linalg.qr(torch.randn(3, 4, 4, generator=gen(2), dtype=torch.float64))[0]
+    else:
+        M = torch.randn(3, 4, 4, generator=gen(2), dtype=torch.float64) + 2 * torch.eye(4).double()
+    XB, YB = XA @ torch.linalg.inv(M), YA @ M.mT  # B = A moved by M^{-1}
+    fit = pair_fit(XB, XA, YB, YA, kind)  # type: ignore[arg-type]
+    err = float(objective(XB, XA, YB, YA, fit).max()) ** 0.5 / float(XA.norm())
+    assert err < 1e-12, f"{kind}: the fitted gauge leaves {err:.1e}"
+
+
+def test_pair_fit_beats_its_starts():
+    """Unrelated X, Y: the invertible fit is at least as good as the orthogonal one and the
+    identity."""
+    XA, XB, YA, YB = (torch.randn(2, 16, 3, generator=gen(k), dtype=torch.float64) for k in range(4))
+    gl, orth = pair_fit(XB, XA, YB, YA, "gl"), pair_fit(XB, XA, YB, YA, "orthogonal")
+    eye = torch.eye(3, dtype=torch.float64).expand(2, 3, 3)
+    f = lambda M: objective(XB, XA, YB, YA, M)  # noqa: E731
+    assert bool((f(gl) <= f(orth) + 1e-12).all()) and bool((f(orth) <= f(eye) + 1e-12).all())
+
+
+@pytest.mark.parametrize("positive", [False, True])
+def test_scalar_fit_is_the_global_minimum(positive):
+    a, b, p, q = (torch.rand(50, generator=gen(k), dtype=torch.float64) * 2 - (k % 2) for k in range(4))
+    a, p = a.abs() + 0.1, p.abs() + 0.1
+    c = scalar_fit(a, b, p, q, positive=positive)
+    grid = torch.cat([torch.linspace(1e-3, 20, 200001, dtype=torch.float64),
+                      *(() if positive else (-torch.linspace(1e-3, 20, 200001, dtype=torch.float64),))])
+    f = lambda x: a[:, None] * x**2 - 2 * b[:, None] * x + p[:, None] / x**2 - 2 * q[:, None] / x  # noqa: E731
+    best = f(grid[None, :]).min(1).values
+    got = f(c[:, None])[:, 0]
+    assert bool((got <= best + 1e-6).all()), float((got - best).max())
+    if positive:
+        assert bool((c > 0).all())
