@@ -89,7 +89,11 @@ class Frame:
 
     def narrow(self, k: int = NARROW) -> Frame:
         """The same frame through its first ``k`` probes: enough for rows compared one by one
-        (tables, MLP neurons), which need no room for a per-group least-squares fit."""
+        (tables, MLP neurons), which need no room for a per-group least-squares fit. Rescaled
+        by ``sqrt(K / k)`` so that ``E[Z Z^T] = I`` still holds and distances measured through
+        the narrowed frame add up with the others."""
         if self.Z is None or self.Z.shape[1] <= k:
             return self
-        return Frame(self.Z[:, :k], self.Q, self.dtype, self.R[:, :k])  # (Q Z)[:, :k] = Q Z[:, :k]
+        scale = (self.Z.shape[1] / k) ** 0.5
+        # (Q Z)[:, :k] = Q Z[:, :k]
+        return Frame(self.Z[:, :k] * scale, self.Q, self.dtype, self.R[:, :k] * scale)
