@@ -233,3 +233,39 @@ def test_bad_input_one_error_line(case, pairs, bad_root, tmp_path, capsys):
     assert_one_error(code, capsys.readouterr().err, "", [words])
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".*tmp")), "something was written"
     assert {d: fingerprint(d) for d in before} == before, "an input was modified"
+
+
+def test_files_inside_a_model_directory_are_accepted(pairs, tmp_path, capsys):
+    """A and B may be given as the directory, its config.json or its .safetensors (as for diff)."""
+    p = pairs["llama"]
+    code, r, err = run(capsys, "align", p["a"], p["b"] / "config.json", tmp_path / "aligned")
+    assert code == 0 and r["certified"], err
+    code, _, err = run(capsys, "merge", p["a"] / "model.safetensors", p["b"], tmp_path / "merged")
+    assert code == 0, err
+
+
+def test_merge_and_barrier_refuse_an_alignment_that_is_not_b(pairs, tmp_path, capsys, monkeypatch):
+    """``merge --align`` and ``barrier --align`` certify the aligned B against B (as ``align``
+    does): an aligner that changed B's function by 5% in one value projection is refused."""
+    import dataclasses
+
+    import attnid.checkpoint.align as checkpoint_align
+    import attnid.whole.align as whole_align
+    from attnid.whole.transforms.state import ModelTensors
+
+    real = whole_align.align
+
+    def broken(*args, **kwargs):
+        al = real(*args, **kwargs)
+        t = dict(al.model.tensors)
+        name = next(n for n in t if n.endswith("layers.0.self_attn.v_proj.weight"))
+        t[name] = t[name] * 1.05
+        return dataclasses.replace(al, model=ModelTensors(al.model.layout, t, al.model.config))
+
+    monkeypatch.setattr(whole_align, "align", broken)
+    monkeypatch.setattr(checkpoint_align, "align", broken)
+    p = pairs["llama"]
+    code, _, err = run(capsys, "merge", p["a"], p["c"], tmp_path / "merged", "--align")
+    assert code == 2 and "not certified" in err and not (tmp_path / "merged").exists(), err
+    code, _, err = run(capsys, "barrier", p["a"], p["c"], "--align", "--data", pairs["text"], "--alphas", "3")
+    assert code == 2 and "not certified" in err, err

@@ -30,7 +30,7 @@ def test_real_minilm_is_unbalanced_and_untouched(minilm, tmp_path, capsys, diges
     seconds = time.perf_counter() - t0
     assert code == 0, err
     assert digest(minilm) == before, "the checkpoint was modified"
-    assert seconds < 20, f"audit took {seconds:.1f}s"
+    assert seconds < 60, f"audit took {seconds:.1f}s"  # about 10 s on a quiet machine: a 6x regression fails
     assert (tmp_path / "heat.png").read_bytes()[:4] == b"\x89PNG"
     assert len(r["layers"]) == 6
     for row in r["layers"]:

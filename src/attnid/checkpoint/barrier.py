@@ -27,6 +27,9 @@ def check_causal(ck: Checkpoint) -> None:
                           f"(architectures {archs or 'not given'})")
 
 
+END_LOSS_RTOL = 1e-4  # aligned B against B, both evaluated in float32
+
+
 class Evaluator:
     """One Hugging Face model (A's class and config, float32 or float64) whose weights are
     replaced by each point of the path in turn."""
@@ -34,7 +37,11 @@ class Evaluator:
     def __init__(self, ck: Checkpoint, dtype: torch.dtype = torch.float32) -> None:
         from attnid.adapters.base import hf_model_class
 
-        self.model = hf_model_class(ck.config).from_pretrained(str(ck.root), dtype=dtype).eval()
+        try:  # transformers' refusals (an unknown class, a config it cannot build) in one line
+            self.model = hf_model_class(ck.config).from_pretrained(str(ck.root), dtype=dtype).eval()
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, ImportError) as e:
+            raise AttnidError(f"{ck.root}: transformers cannot load this model "
+                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
         self.dtype = dtype
 
     def loss(self, m: ModelTensors, data: Batches) -> float:
@@ -88,7 +95,7 @@ def barrier(model_a: str | Path, model_b: str | Path, data: str | Path, *, align
             group: str = "full", alphas: int = 11, context: int | None = None, max_tokens: int = 65536,
             progress: Progress | None = None) -> dict[str, Any]:
     """The losses along the path (naive; and aligned with ``aligned``) and their barriers."""
-    from attnid.checkpoint.align import check_group, load_tensors, open_pair
+    from attnid.checkpoint.align import as_stored, certify, check_group, load_tensors, open_pair
     from attnid.whole.align import align
 
     start = time.perf_counter()
@@ -104,7 +111,11 @@ def barrier(model_a: str | Path, model_b: str | Path, data: str | Path, *, align
     distances = {"naive": None}
     if aligned:
         al = align(A, B, group=group, progress=shown.line)  # type: ignore[arg-type]
+        certify(ub, B, as_stored(ub, al.model), al.stream_permutation)  # still B's function
         curves["aligned"] = path_losses(ev, A, al.model, blocks, ts, shown, "aligned")
+        end, want = curves["aligned"][-1], curves["naive"][-1]
+        if abs(end - want) > END_LOSS_RTOL * abs(want):  # the aligned B is B: the same loss
+            raise AttnidError(f"refused: aligned B's loss {end:.6f} is not B's {want:.6f}")
         distances = {"raw": al.raw_distance, "aligned": al.aligned_distance}
     return {"model_a": str(a.path), "model_b": str(b.path), "data": str(data), "tokens": blocks.tokens,
             "context": int(blocks.ids.shape[1]), "alphas": ts, "group": group if aligned else None,

@@ -114,3 +114,19 @@ def _function(y: Any) -> torch.Tensor:
     if getattr(y, "logits", None) is not None:
         return torch.log_softmax(y.logits.double(), -1)
     return y.last_hidden_state
+
+
+def verify_end_to_end(ck: Any, out: Path, max_bytes: int, what: str = "rewritten") -> float | None:
+    """The end-to-end check of a written checkpoint ``out`` against its input ``ck`` (a
+    `Checkpoint`), when the input is at most ``max_bytes`` on disk (else None): refused above
+    ten times the tolerance of the input's dtype."""
+    from attnid.testing import tolerance
+
+    if sum(f.path.stat().st_size for f in ck.files) > max_bytes:
+        return None
+    e2e = end_to_end(ck.root, out, ck.config)
+    if e2e > 10 * tolerance(ck.dtype()):
+        raise AttnidError(f"refused: the {what} model's outputs differ by {e2e:.2e} (relative); "
+                          "nothing was written")
+    return e2e
+

@@ -32,12 +32,11 @@ from typing import Any, Literal
 import torch
 
 from attnid.checkpoint.load import Checkpoint, open_checkpoint
-from attnid.checkpoint.output import check_out_dir, end_to_end, staged
+from attnid.checkpoint.output import check_out_dir, staged, verify_end_to_end
 from attnid.checkpoint.units import Units, open_units
 from attnid.errors import AttnidError
 from attnid.io import DTYPES, write_streaming
 from attnid.progress import Progress
-from attnid.testing import tolerance
 
 Rotation = Literal["hadamard", "random"]
 
@@ -144,12 +143,7 @@ def rewrite(in_dir: str | Path, out_dir: str | Path, recipe: Recipe, *, force: b
             where = "outside the layers" if b["layer"] is None else f"layer {b['layer']}"
             raise AttnidError(f"refused: the rewritten checkpoint is not certified ({where}, {b['tensor']}: "
                               f"residual {b['residual']:.2e}); nothing was written")
-        e2e = None
-        if sum(f.path.stat().st_size for f in ck.files) <= end_to_end_max_bytes:
-            e2e = end_to_end(ck.root, tmp, ck.config)
-            if e2e > 10 * tolerance(ck.dtype()):
-                raise AttnidError(f"refused: the rewritten model's outputs differ by {e2e:.2e} "
-                                  "(relative); nothing was written")
+        e2e = verify_end_to_end(ck, tmp, end_to_end_max_bytes)
     worst = max([row["residual"] for row in check["layers"]] + [check["other"]["residual"]])
     return {"architecture": ck.adapter.family, "layers": ck.n_layers,
             "operations": {k: v for k, v in asdict(recipe).items() if k != "seed"}, "seed": recipe.seed,

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from attnid.errors import AttnidError
 from attnid.whole.check import Float64Mode
 from attnid.whole.fit.match import assign_heads, assignment
 from attnid.whole.fit.rotation import procrustes
@@ -36,6 +37,30 @@ class Activations:
     stream: torch.Tensor  # [N (L), d]: every layer's input, stacked
     heads: list[torch.Tensor]  # per layer [H, N, d]: each head's write into the stream
     neurons: list[torch.Tensor]  # per layer [N, f]
+
+
+ACTIVATION_BYTES = 8 * 1024**3  # both models' activations, float64, at most this
+
+
+def activation_bytes(m: ModelTensors, tokens: int) -> int:
+    """What :func:`collect` keeps for one model on ``tokens`` positions (float64): the stream at
+    every layer's input ``[N, d]``, every head's write ``[H, N, d]`` and every neuron ``[N, f]``."""
+    lay = m.layout
+    per_token = 0
+    for i in range(len(lay.layers)):
+        d, f = m.weight(lay.mlps[i][1]).shape  # the down projection [out = d, in = f]
+        per_token += d + m.spec(i).n_heads * d + f
+    return 8 * tokens * per_token
+
+
+def check_memory(m: ModelTensors, tokens: int) -> None:
+    """Refuse (one line, before any work) a calibration whose activations would not fit."""
+    need = 2 * activation_bytes(m, tokens)
+    if need > ACTIVATION_BYTES:
+        fit = max(1, tokens * ACTIVATION_BYTES // need)
+        raise AttnidError(f"--calibration: matching on {tokens} tokens keeps {need / 1024**3:.1f} GiB of "
+                          f"activations of the two models (at most {ACTIVATION_BYTES / 1024**3:.0f} GiB): "
+                          f"give a file of at most about {fit} tokens, or match on the weights")
 
 
 def module_of(m: ModelTensors) -> nn.Module:

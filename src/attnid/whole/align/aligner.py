@@ -33,6 +33,7 @@ from torch import nn
 import attnid.whole.fit.canonical as C
 from attnid.errors import AttnidError
 from attnid.whole.align.activations import (
+    check_memory,
     collect,
     head_matching,
     neuron_matching,
@@ -99,10 +100,18 @@ class Alignment:
 
 
 def as_tensors(x: nn.Module | ModelTensors) -> ModelTensors:
-    """A model's tensors in float64 (a `ModelTensors` or a Hugging Face module)."""
+    """A model's tensors in float64 (a `ModelTensors` or a Hugging Face module); tensors that
+    share storage (a tied table) stay one tensor, so that it is moved and counted once."""
     m = x if isinstance(x, ModelTensors) else ModelTensors.of(x)
-    return ModelTensors(m.layout, {k: v.to(torch.float64) if v.is_floating_point() else v
-                                   for k, v in m.tensors.items()}, m.config)
+    done: dict[tuple, torch.Tensor] = {}
+
+    def f64(v: torch.Tensor) -> torch.Tensor:
+        if not v.is_floating_point():
+            return v
+        key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape), v.stride())
+        return done.setdefault(key, v.to(torch.float64))
+
+    return ModelTensors(m.layout, {k: f64(v) for k, v in m.tensors.items()}, m.config)
 
 
 def check_pair(a: ModelTensors, b: ModelTensors) -> None:
@@ -254,6 +263,7 @@ def align(a: nn.Module | ModelTensors, b: nn.Module | ModelTensors, *, group: Gr
     how = "not aligned (group none)"
     acts = None
     if group != "none" and calibration is not None:
+        check_memory(A, calibration.numel())
         acts = (collect(A, calibration), collect(B, calibration))
         say(f"activations collected on {calibration.numel()} calibration tokens")
     if group != "none":

@@ -77,7 +77,8 @@ def stream_weights(m: ModelTensors) -> torch.Tensor:
     reader's columns with their norm's gain folded in, every writer's output columns and bias."""
     lay = m.layout
     rows = [m.tensors[f"{t}.weight"] for t in lay.tables if f"{t}.weight" in m]
-    for nm in (*lay.norms, *(() if lay.final is None else (lay.final,))):
+    norms = {nm.path: nm for nm in (*lay.norms, *(() if lay.final is None else (lay.final,)))}
+    for nm in norms.values():  # the final norm once, whether or not lay.norms lists it
         if f"{nm.path}.weight" not in m:
             continue
         g = m.gain(nm)
@@ -91,7 +92,15 @@ def stream_weights(m: ModelTensors) -> torch.Tensor:
 
 
 def total(a: ModelTensors, b: ModelTensors) -> float:
-    return sum(float(((t - b.tensors[n]) ** 2).sum()) for n, t in a.tensors.items() if t.is_floating_point())
+    """``||B - A||^2`` over the floating tensors, a tied table once."""
+    seen: set[tuple[int, tuple[int, ...]]] = set()
+    sq = 0.0
+    for n, t in a.tensors.items():
+        key = (t.data_ptr(), tuple(t.shape))
+        if t.is_floating_point() and key not in seen:
+            seen.add(key)
+            sq += float(((t - b.tensors[n]) ** 2).sum())
+    return sq
 
 
 def refine_stream(a: ModelTensors, b: ModelTensors, Q: torch.Tensor | None, perm: torch.Tensor | None,
