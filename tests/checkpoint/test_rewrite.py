@@ -153,3 +153,25 @@ def test_a_rewrite_that_fails_verification_writes_nothing(tmp_path, capsys, monk
     code, _, err = run(capsys, src, tmp_path / "out", "--rotate-values", "random")
     assert code == 2 and "not certified" in err and "v_proj.bias" in err, err
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.*"))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+def test_a_five_percent_change_in_half_precision_is_not_certified(dtype, tmp_path, capsys):
+    """Certification is to the stored dtype's rounding (2 eps), not looser: one value projection
+    scaled by 1.05 (which changes the function) is refused, and its layer named (8 eps, the
+    tolerance before, certified it in bfloat16)."""
+    from safetensors.torch import load_file, save_file
+
+    src = make(FAMILIES["llama-gqa"], tmp_path, "src", dtype=dtype)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for p in src.iterdir():
+        (bad / p.name).write_bytes(p.read_bytes())
+    sd = load_file(bad / "model.safetensors")
+    name = "model.layers.1.self_attn.v_proj.weight"
+    sd[name] = (sd[name].float() * 1.05).to(dtype)
+    save_file(sd, bad / "model.safetensors", metadata={"format": "pt"})
+    code = main(["diff", str(src), str(bad), "--json"])
+    d = json.loads(capsys.readouterr().out)
+    assert code == 1 and not d["certified"], d
+    assert d["break"]["layer"] == 1, d["break"]

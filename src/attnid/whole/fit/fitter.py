@@ -36,10 +36,12 @@ from attnid.whole.transforms.state import ModelTensors
 
 def tolerance(dtype: torch.dtype) -> float:
     """The rounding level a certified residual may reach for checkpoints stored in ``dtype``:
-    ``2 eps`` (1e-13 at least). Exact rewrites stored in bfloat16 or float16 leave at most about
-    ``0.26 eps`` on every family (measured over random rewrites of every step), so this is 8x
-    above rounding, while a 3% change to one value projection reads about ``3 eps`` in
-    bfloat16 and is refused (docs/theory.md §13.19)."""
+    ``2 eps`` (1e-13 at least): the first-order bound of storage rounding (each of the four
+    stored factors of a compared product off by at most ``eps / 2`` relative, the residual
+    being relative to the product of the factor norms). Exact rewrites stored in bfloat16 or
+    float16 leave 0.22-0.26 eps on every family (measured over random rewrites of every step);
+    in bfloat16 a 5% change to one value projection is refused, a 3% one is not (docs/theory.md
+    §13.19)."""
     return max(2 * torch.finfo(dtype).eps, 1e-13)
 
 
