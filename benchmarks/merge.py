@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from attnid.checkpoint.align import CALIBRATION_TOKENS, load_tensors
-from attnid.checkpoint.barrier import Evaluator, mid_barrier, path_losses, plot_path
+from attnid.checkpoint.barrier import Evaluator, mid_barrier, path_losses
 from attnid.checkpoint.load import open_checkpoint
 from attnid.checkpoint.tokens import read_blocks
 from attnid.checkpoint.units import open_units
@@ -101,6 +101,58 @@ def run_pair(arch: str, hf_a: Path, hf_b: Path, data: Path, calibration: Path, m
     return result
 
 
+def title(arch: str, r: dict) -> str:
+    return (f"{arch}-style ({r['params'] / 1e6:.2f} M parameters), seeds 0 and 1 (held-out loss "
+            f"{r['val_loss'][0]:.3f} / {r['val_loss'][1]:.3f}): barrier per alignment")
+
+
+def figure(alphas: list[float], r: dict, path: Path, title: str) -> None:
+    """Two panels: (a) the loss along the path per variant (matching on the weights solid, on
+    activations dashed, one colour per part of the group); (b) each variant's mid-point barrier
+    as a share of the naive one, with the aim (one fifth) drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    variants = r["variants"]
+    groups = [g for g in GROUPS if g != "none"]
+    colours = dict(zip(("none", *groups), ("black", "tab:blue", "tab:orange", "tab:green", "tab:red"),
+                       strict=True))
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [3, 2]})
+    ax.plot(alphas, variants["none"]["losses"], color="black", lw=2, label="naive (no alignment)")
+    for g in groups:
+        for m, style in (("weights", "-"), ("activations", "--")):
+            v = variants.get(f"{g} ({m})")
+            if v is not None:
+                ax.plot(alphas, v["losses"], style, color=colours[g], marker="o" if m == "weights" else "s",
+                        ms=3, label=f"{g}, {m}")
+    ax.set_xlabel("alpha (0: A, 1: B)")
+    ax.set_ylabel("held-out loss (nats per character)")
+    ax.set_title("(a) loss along the straight path", fontsize=9)
+    ax.legend(fontsize=7, ncol=2, loc="upper left", framealpha=0.9)
+    ax.set_ylim(top=ax.get_ylim()[1] + 0.35 * (ax.get_ylim()[1] - ax.get_ylim()[0]))  # room for the legend
+    width = 0.38
+    for k, (m, hatch) in enumerate((("weights", ""), ("activations", "//"))):
+        xs = [i + (k - 0.5) * width for i in range(len(groups))]
+        ys = [variants[f"{g} ({m})"]["ratio_to_naive"] if f"{g} ({m})" in variants else float("nan")
+              for g in groups]
+        bars = bx.bar(xs, ys, width, color=[colours[g] for g in groups], hatch=hatch, edgecolor="black",
+                      label=f"matched on {m}")
+        bx.bar_label(bars, fmt="%.2f", fontsize=7)
+    bx.axhline(1.0, color="black", lw=1, label="naive")
+    bx.axhline(0.2, color="grey", ls=":", lw=1.5, label="aim: a fifth of naive")
+    bx.set_xticks(range(len(groups)), groups, fontsize=8)
+    bx.set_ylabel("mid-point barrier / naive barrier")
+    bx.set_ylim(0, 1.5)
+    bx.set_title(f"(b) barrier left (naive: {variants['none']['barrier']:.3f} nats)", fontsize=9)
+    bx.legend(fontsize=7, loc="upper center", ncol=2)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", nargs="+", default=["llama", "gpt2"], choices=["llama", "gpt2"])
@@ -133,9 +185,7 @@ def main() -> None:
         r |= {"params": a.params, "steps": a.steps, "val_loss": [a.val_loss, b.val_loss],
               "train_seconds": [a.seconds, b.seconds]}
         results[arch] = r
-        curves = {g: v["losses"] for g, v in r["variants"].items()}
-        plot_path(alphas, curves, args.out / f"merge_{arch}.png",
-                  f"{arch}-style, seeds 0 and 1: loss along the path per alignment (held-out text)")
+        figure(alphas, r, args.out / f"merge_{arch}.png", title(arch, r))
     (args.out / "merge.json").write_text(json.dumps({"alphas": alphas, "results": results}, indent=2))
     for arch, r in results.items():
         print(f"\n{arch}-style ({r['params'] / 1e6:.2f} M parameters, {r['steps']} steps, held-out loss "

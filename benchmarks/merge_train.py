@@ -48,7 +48,8 @@ MODELS: dict[str, TrainConfig] = {
     "gpt2": TrainConfig(
         model=GPTConfig(**ARCHS["gpt2"], d_model=192, n_layers=4, n_heads=6, block_size=CONTEXT,
                         vocab_size=VOCAB),
-        optimizer="adamw", lr=3e-3, schedule="cosine", warmup=50, steps=800, batch_size=16,
+        # lr 3e-3 for 800 steps left seed 1 on a plateau (held-out 2.34 against seed 0's 1.92)
+        optimizer="adamw", lr=1e-3, schedule="cosine", warmup=100, steps=1200, batch_size=16,
         log_every=100, eval_every=200),
 }
 
