@@ -17,8 +17,8 @@ trained from different seeds each part of the symmetry group removes.
 3. Prints per variant the mid-point barrier (loss at 0.5 less the mean end loss), its ratio to
    the naive one and the aligned distance; and, for the full group, which part of the distance
    is left per layer (the residual's share per tensor kind). Writes ``merge.json`` and one
-   figure per architecture (``merge_<arch>.png``: loss along the path per variant) into
-   ``--out``.
+   figure per architecture (``merge_<arch>.png``: (a) the loss along the path per variant,
+   (b) each barrier's share of the naive one) into ``--out``.
 
 Aim: the full group's barrier at most a fifth of the naive one, and below every restricted
 variant's.
@@ -121,12 +121,22 @@ def figure(alphas: list[float], r: dict, path: Path, title: str) -> None:
                        strict=True))
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [3, 2]})
     ax.plot(alphas, variants["none"]["losses"], color="black", lw=2, label="naive (no alignment)")
+    drawn: dict[tuple[float, ...], list[str]] = {}  # one line per distinct curve (none hidden)
+    lines = []
     for g in groups:
         for m, style in (("weights", "-"), ("activations", "--")):
             v = variants.get(f"{g} ({m})")
-            if v is not None:
-                ax.plot(alphas, v["losses"], style, color=colours[g], marker="o" if m == "weights" else "s",
-                        ms=3, label=f"{g}, {m}")
+            if v is None:
+                continue
+            key = tuple(v["losses"])
+            if key in drawn:  # the same curve as a smaller variant's (e.g. no rotation is a symmetry)
+                drawn[key].append(g)
+                continue
+            drawn[key] = [g]
+            lines.append((key, m, style, g))
+    for key, m, style, g in lines:
+        ax.plot(alphas, list(key), style, color=colours[g], marker="o" if m == "weights" else "s", ms=3,
+                label=f"{' = '.join(drawn[key])}, {m}")
     ax.set_xlabel("alpha (0: A, 1: B)")
     ax.set_ylabel("held-out loss (nats per character)")
     ax.set_title("(a) loss along the straight path", fontsize=9)
