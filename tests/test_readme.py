@@ -21,6 +21,8 @@ import json
 import re
 import shlex
 import shutil
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -347,6 +349,13 @@ def test_bash_command_exists(block, command, capsys, pytestconfig):
         script = next(a for a in argv[1:] if a.endswith(".py"))
         assert (ROOT / script).is_file(), f"{command}: no {script}"
         assert "--standalone" in argv, f"{command}: --standalone picks a free port (two runs collide without)"
+    elif argv[0] == ".venv/bin/python" and argv[1].endswith(".py"):  # a script: its --help knows the flags
+        assert (ROOT / argv[1]).is_file(), f"{command}: no {argv[1]}"
+        done = subprocess.run([sys.executable, argv[1], "--help"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, f"{command}: --help failed: {done.stderr[-500:]}"
+        for flag in (a for a in argv[2:] if a.startswith("--")):
+            assert flag in done.stdout, f"{command}: {flag} is not an option of {argv[1]}"
     elif argv[:2] == [".venv/bin/ruff", "check"]:
         assert importlib.util.find_spec("ruff") is not None, "ruff is not installed (attnid[test])"
         for a in (a for a in argv[2:] if not a.startswith("-")):

@@ -23,7 +23,7 @@ def test_reproduce_quick_writes_everything_and_every_claim_holds(tmp_path):
     assert len(err) >= 20 and all(re.match(r"\d\d:\d\d:\d\d ", ln) for ln in err), err[:5]
     assert any(re.search(r"run 5/17 .*\(ETA \d\d:\d\d:\d\d", ln) for ln in err), err
     # no long silence: a line per whole-model check and per step tenth of each MiniLM fine-tune
-    assert any(re.search(r"whole model 1/3: \S+, closed form against the arbiter", ln) for ln in err), err
+    assert any(re.search(r"whole model 1/\d+: \S+, closed form against the arbiter", ln) for ln in err), err
     assert any(re.search(r"AdamW lr [\d.e-]+, wd 0\.01, seed 0: step 1/3", ln) for ln in err), err
     for stem in ("table1_ratio_vs_heads", "table2_biases", "table3_variants", "table4_models",
                  "table5_single_head", "training_summary", "whole_model_counts", "whole_model_checks",

@@ -555,6 +555,24 @@ def test_random_mutation_every_command(kind, single, tmp_path_factory, capsys, d
     RANDOM[kind](single, tmp_path_factory, capsys, data, cmd)
 
 
+def test_what_the_random_fuzz_found(single, tmp_path_factory, capsys):
+    """Two cases the random mutations found (both A and B the broken checkpoint): a space in the
+    token table's name (diff gave a TypeError deep in the fit) and a null boolean field (the
+    error said "the config" instead of naming the file)."""
+    d = stage(single, tmp_path_factory.mktemp("found") / "table")
+    edit_header(d, "model.safetensors",
+                lambda h: {k.replace("embed_tokens", "embed tokens"): v for k, v in h.items()})
+    code = main(["diff", str(d), str(d), "--json"])
+    err = capsys.readouterr().err
+    assert code == 2 and "model.safetensors" in err and "model.embed_tokens.weight" in err, err
+    assert err.count("\n") == 1 and err.startswith("error:"), err
+    d = stage(single, tmp_path_factory.mktemp("found") / "config")
+    edit_json(d, "config.json", set_key("attention_bias", None))
+    code = main(["diff", str(d), str(d), "--json"])
+    err = capsys.readouterr().err
+    assert code == 2 and "config.json" in err and "attention_bias" in err, err
+
+
 # ---- audit --plot: the format is checked before the work ---------------------------------
 @pytest.mark.parametrize("name", ["map.txt", "map", "map.PNGX"])
 def test_plot_format_refused_before_any_work(name, sources, tmp_path, capsys, monkeypatch):

@@ -78,8 +78,26 @@ def open_units(ck: Checkpoint) -> Units:
     except Exception as e:  # transformers cannot build the class from this config
         raise AttnidError(f"{ck.root}: transformers cannot build {ck.adapter.family} from its "
                           f"config.json: {e}") from None
-    to_ck = {s: c for s in state_names(ck.config) if (c := ck.resolve(s)) is not None}
+    states = state_names(ck.config)
+    to_ck = {s: c for s in states if (c := ck.resolve(s)) is not None}
+    missing = [n for n in required_weights(lay) if n in states and n not in to_ck]
+    if missing:  # every later step reads these: refused here, in one line, before any work
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        where = ck.files[0].path if len(ck.files) == 1 else ck.root / "model.safetensors.index.json"
+        raise AttnidError(f"{where}: no tensor {missing[0]}{more}, which {ck.adapter.family} needs")
     return Units(ck, lay, to_ck, assign_units(lay, to_ck))
+
+
+def required_weights(lay: Layout) -> list[str]:
+    """The weights every whole-model step reads: the tables, every norm's gain, every reader,
+    writer, gate and MLP projection, and an untied head."""
+    lins = [*(r for nm in lay.norms for r in nm.readers), *(w for ws in lay.writers for w in ws),
+            *(m for ms in lay.mlps for m in ms), *(g for g in lay.gates if g is not None)]
+    if lay.unembed is not None and not lay.tied:
+        lins.append(lay.unembed)
+    names = [f"{t}.weight" for t in lay.tables] + [f"{nm.path}.weight" for nm in lay.norms]
+    names += [f"{lin.path}.weight" for lin in lins if not (lay.tied and lin == lay.unembed)]
+    return list(dict.fromkeys(names))
 
 
 def fold_check(before: ModelTensors, after: ModelTensors, gen: torch.Generator) -> float:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from attnid.adapters.base import new_hf_model
+from attnid.adapters.config import FileConfig, source_of
 from attnid.errors import AttnidError
 
 
@@ -285,21 +286,21 @@ def layout_of(model: nn.Module) -> Layout:
 
 
 @functools.cache
-def _meta(config_json: str) -> tuple[Layout, tuple[str, ...]]:
-    with torch.device("meta"):
-        model = new_hf_model(json.loads(config_json), head=True)
+def _meta(config_json: str, source: str) -> tuple[Layout, tuple[str, ...]]:
+    with torch.device("meta"):  # the config keeps its file's name for transformers' refusals
+        model = new_hf_model(FileConfig(json.loads(config_json), source), head=True)
     return layout_of(model), tuple(model.state_dict())
 
 
 def layout_for(config: dict[str, Any]) -> Layout:
     """The layout of the architecture a config names (its class built on the meta device: no
     memory, no weights), for tensors named as that class's ``state_dict``."""
-    return _meta(json.dumps(config, sort_keys=True, default=str))[0]
+    return _meta(json.dumps(config, sort_keys=True, default=str), source_of(config))[0]
 
 
 def state_names(config: dict[str, Any]) -> tuple[str, ...]:
     """The ``state_dict`` names of the architecture a config names (tied names included)."""
-    return _meta(json.dumps(config, sort_keys=True, default=str))[1]
+    return _meta(json.dumps(config, sort_keys=True, default=str), source_of(config))[1]
 
 
 def norm_by_path(lay: Layout, path: str) -> Norm:
