@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from attnid.adapters.config import source_of
 from attnid.checkpoint.load import Checkpoint
 from attnid.errors import AttnidError, require
 from attnid.whole.fit.source import assign_units, unit_extras
@@ -84,7 +85,8 @@ def open_units(ck: Checkpoint) -> Units:
     if missing:  # every later step reads these: refused here, in one line, before any work
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         where = ck.files[0].path if len(ck.files) == 1 else ck.root / "model.safetensors.index.json"
-        raise AttnidError(f"{where}: no tensor {missing[0]}{more}, which {ck.adapter.family} needs")
+        raise AttnidError(f"{where}: no tensor {missing[0]}{more}, which {ck.adapter.family} as "
+                          f"{source_of(ck.config)} describes it needs")
     return Units(ck, lay, to_ck, assign_units(lay, to_ck))
 
 
