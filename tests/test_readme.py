@@ -32,6 +32,7 @@ import pytest
 import torch
 
 from attnid.cli import main
+from launch import torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 # every documentation file, README first; a new one under these patterns is picked up
@@ -378,15 +379,12 @@ def test_torchrun_example(command, tmp_path):
     """The documented torchrun command, run as shown (two processes, from a scratch directory
     so that what the example writes lands there)."""
     import os
-    import subprocess
-    import sys
 
     argv = shlex.split(command)[1:]
     script = next(a for a in argv if a.endswith(".py"))
     argv[argv.index(script)] = str(ROOT / script)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", *argv], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=600)
+    done = torchrun(argv, cwd=tmp_path, env=env, timeout=600)
     out = done.stdout + done.stderr
     assert done.returncode == 0, f"{command} failed:\n{out[-4000:]}"
     for line in TORCHRUN_PRINTS[script]:

@@ -8,10 +8,11 @@ import importlib.util
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from launch import TWO, torchrun
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -37,10 +38,8 @@ def _launch(tmp_path_factory, cases: tuple[str, ...]) -> tuple[Path, str]:
     out = tmp_path_factory.mktemp("sharded")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(Path(sharded.__file__)), str(out), *cases]
     try:
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        done = torchrun([*TWO, str(Path(sharded.__file__)), str(out), *cases], env=env, timeout=600)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"torchrun did not finish in {e.timeout} s:\n{(e.stderr or b'')[-3000:]}")
     return out, done.stdout[-3000:] + done.stderr[-6000:]

@@ -20,6 +20,7 @@ from attnid.train import data as data_mod
 from attnid.train.data import SHA256, corpus, shakespeare
 from attnid.train.loop import TrainConfig, train
 from attnid.train.model import GPT, GPTConfig
+from launch import TWO, torchrun
 
 TINY = GPTConfig(n_layers=1, n_heads=4, d_model=32, block_size=16)
 PER_HEAD = ["rho_qk", "rho_vo", "beta_qk", "beta_vo", "tau_qk", "tau_vo", "mu_qk", "drift_qk",
@@ -135,12 +136,10 @@ def test_resume_without_checkpoint_is_a_clean_error(tmp_path, capsys):
 def test_ddp_two_processes_stay_in_sync(tmp_path):
     out = tmp_path / "ddp"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", "29517", "-m", "attnid", "train", "--out", str(out), "--layers", "1",
-           "--d-model", "32", "--seq-len", "16", "--steps", "8", "--log-every", "2",
-           "--correct", "rebalance:3", "--no-progress"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = torchrun([*TWO, "-m", "attnid", "train", "--out", str(out), "--layers", "1", "--d-model", "32",
+                     "--seq-len", "16", "--steps", "8", "--log-every", "2", "--correct", "rebalance:3",
+                     "--no-progress"], env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-6000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["ranks_in_sync"], summary
     assert [r["step"] for r in _records(out)] == [1, 2, 4, 6, 8]
