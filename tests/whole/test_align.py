@@ -100,7 +100,7 @@ def test_a_tied_table_counts_once_in_float32():
     """A float32 model's tied table is one tensor after the float64 conversion too."""
     A, B = (tiny_model(FAMILIES["llama-tied"], seed=s).float() for s in (0, 1))
     al = align(A, B, group="none")
-    want = sum(float(((p.double() - q.double()) ** 2).sum())
+    want = sum(float(((p.detach().double() - q.detach().double()) ** 2).sum())
                for p, q in zip(A.parameters(), B.parameters(), strict=True)) ** 0.5
     assert abs(al.raw_distance - want) <= 1e-9 * want, f"raw distance {al.raw_distance} != {want}"
 
@@ -191,6 +191,21 @@ def test_scalar_fit_is_the_global_minimum(positive):
     assert bool((got <= best + 1e-6).all()), float((got - best).max())
     if positive:
         assert bool((c > 0).all())
+
+
+@pytest.mark.parametrize("positive", [False, True])
+def test_scalar_fit_with_one_side_zero(positive):
+    """A neuron whose input (a = b = 0) or output (p = q = 0) weights are all zero: the quartic
+    loses its leading or constant term. With an output side only the least is at c = p / q when
+    q > 0 and there is none when q <= 0 (c stays 1); with an input side only, at c = b / a."""
+    f64 = dict(dtype=torch.float64)
+    p, q = torch.tensor([2.0, 3.0, 1.0], **f64), torch.tensor([4.0, -1.0, 0.0], **f64)
+    zero = torch.zeros(3, **f64)
+    c = scalar_fit(zero, zero, p, q, positive=positive)
+    assert torch.equal(c, torch.tensor([0.5, 1.0, 1.0], dtype=torch.float64)), c
+    a, b = torch.tensor([2.0, 4.0], **f64), torch.tensor([3.0, 2.0], **f64)
+    c = scalar_fit(a, b, zero[:2], zero[:2], positive=positive)
+    assert torch.allclose(c, b / a, rtol=1e-12), c
 
 
 def test_a_calibration_too_large_for_memory_is_refused(monkeypatch):

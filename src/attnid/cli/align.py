@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from attnid.cli.app import Json, app, console, emit_json
+from attnid.cli.app import Json, app, console, emit_json, sized_progress
 
 ModelA = Annotated[str, typer.Argument(help="Reference checkpoint A (directory, config.json, .safetensors).")]
 ModelB = Annotated[str, typer.Argument(help="Checkpoint B of the same architecture.")]
@@ -15,16 +15,6 @@ GroupOpt = Annotated[str, typer.Option(
     "--group", help="Which part of the symmetry group to align with: none, permutations, orthogonal "
                     "(and per-group orthogonal Q/K, V/O maps), rotation (the stream rotated), full.")]
 Force = Annotated[bool, typer.Option("--force", help="Replace a non-empty OUT_DIR.")]
-
-
-def _quiet(*paths: str) -> bool:
-    from attnid.adapters.config import model_path
-
-    size = 0
-    for p in paths:
-        d = model_path(p)
-        size += sum(f.stat().st_size for f in d.glob("*.safetensors")) if d.is_dir() else 0
-    return size <= 2**26
 
 
 @app.command("align")
@@ -45,11 +35,10 @@ def align_cmd(
     coordinates. Reports the raw and aligned distances and the share of each part."""
     from attnid.checkpoint.align import align_checkpoints
     from attnid.errors import require_extras
-    from attnid.progress import Progress
 
     require_extras("hf", what="attnid align")
     r = align_checkpoints(model_a, model_b, out_dir, group=group, calibration=calibration, force=force,
-                          progress=Progress(enabled=not _quiet(model_a, model_b)))
+                          progress=sized_progress(model_a, model_b, above=2**26))
     if json_out:
         emit_json(r)
         return
@@ -97,11 +86,10 @@ def merge_cmd(
     """Write (1 - alpha) A + alpha B, with B first aligned onto A when --align."""
     from attnid.checkpoint.align import merge_checkpoints
     from attnid.errors import require_extras
-    from attnid.progress import Progress
 
     require_extras("hf", what="attnid merge")
     r = merge_checkpoints(model_a, model_b, out_dir, alpha=alpha, aligned=align, group=group, force=force,
-                          progress=Progress(enabled=not _quiet(model_a, model_b)))
+                          progress=sized_progress(model_a, model_b, above=2**26))
     if json_out:
         emit_json(r)
         return
@@ -133,7 +121,6 @@ def barrier_cmd(
 
     from attnid.checkpoint.barrier import barrier, plot_path
     from attnid.errors import AttnidError, require_extras
-    from attnid.progress import Progress
 
     require_extras("hf", *(["report"] if plot else []), what="attnid barrier" + (" --plot" if plot else ""))
     if plot:  # refuse before the work, not after it
@@ -145,7 +132,7 @@ def barrier_cmd(
     if max_tokens < 2:
         raise AttnidError(f"--max-tokens {max_tokens}: at least one block of 2 tokens")
     r = barrier(model_a, model_b, data, aligned=align, group=group, alphas=alphas, context=context,
-                max_tokens=max_tokens, progress=Progress(enabled=not _quiet(model_a, model_b)))
+                max_tokens=max_tokens, progress=sized_progress(model_a, model_b, above=2**26))
     if plot:
         plot_path(r["alphas"], r["losses"], plot, f"{Path(r['model_a']).name} -> {Path(r['model_b']).name}")
     if json_out:

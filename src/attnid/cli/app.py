@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 
 from attnid.spec import AttentionSpec
 from attnid.theory import Count
+
+if TYPE_CHECKING:
+    from attnid.progress import Progress
 
 app = typer.Typer(
     add_completion=False,
@@ -86,6 +89,21 @@ def print_count_dict(d: dict, title: str) -> None:
 
     spec = AttentionSpec.from_dict(d["spec"])
     print_count(Count(spec, {k: Component(**v) for k, v in d["components"].items()}), title)
+
+
+def sized_progress(*models: str, above: int) -> Progress:
+    """A `Progress` shown when the models' safetensors files hold more than ``above`` bytes (a
+    small model finishes before a bar would say anything). ``models`` as the commands take them:
+    a directory, its ``config.json`` or a ``.safetensors`` file, or a cached hub id."""
+    from attnid.adapters.config import model_path
+    from attnid.progress import Progress
+
+    size = 0
+    for m in models:
+        p = model_path(m)
+        d = p if p.is_dir() else p.parent
+        size += sum(f.stat().st_size for f in d.glob("*.safetensors")) if d.is_dir() else 0
+    return Progress(enabled=size > above)
 
 
 def emit_json(obj: Any) -> None:

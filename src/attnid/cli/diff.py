@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from attnid.cli.app import Json, app, console, emit_json
+from attnid.cli.app import Json, app, console, emit_json, sized_progress
 
 
 @app.command("diff")
@@ -27,12 +27,10 @@ def diff_cmd(
     from attnid.checkpoint.diff import diff
     from attnid.checkpoint.load import open_checkpoint
     from attnid.errors import require_extras
-    from attnid.progress import Progress
 
     require_extras("hf", what="attnid diff")
     a, b = open_checkpoint(model_a), open_checkpoint(model_b)
-    size = sum(f.path.stat().st_size for ck in (a, b) for f in ck.files)
-    r = diff(a, b, probes=probes, progress=Progress(enabled=size > 2**28))  # quiet when small
+    r = diff(a, b, probes=probes, progress=sized_progress(model_a, model_b, above=2**28))
     if json_out:
         emit_json(r)
     else:

@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 import typer
 
-from attnid.cli.app import Json, app, emit_json
+from attnid.cli.app import Json, app, emit_json, sized_progress
 
 Random = Literal["random"]
 
@@ -39,20 +39,15 @@ def rewrite_cmd(
     SmoothQuant-style MLP scaling, merging tools' permutations), certified by `attnid diff`
     against the input before anything is written."""
 
-    from attnid.adapters.config import model_path
     from attnid.checkpoint.rewrite import Recipe, rewrite
     from attnid.errors import require_extras
-    from attnid.progress import Progress
 
     require_extras("hf", what="attnid rewrite")
 
     recipe = Recipe(fold_norms=fold_norms, rotate_residual=rotate_residual, rotate_values=rotate_values,
                     qk_planes=qk_planes is not None, scale_mlp=scale_mlp is not None,
                     permute_mlp=permute_mlp is not None, permute_heads=permute_heads is not None, seed=seed)
-    src = model_path(in_dir)
-    size = sum(p.stat().st_size for p in src.glob("*.safetensors")) if src.is_dir() else 0
-    shown = Progress(enabled=size > 2**28)  # quiet when small
-    r = rewrite(in_dir, out_dir, recipe, force=force, progress=shown)
+    r = rewrite(in_dir, out_dir, recipe, force=force, progress=sized_progress(in_dir, above=2**28))
     if json_out:
         emit_json(r)
         return
