@@ -400,6 +400,19 @@ def new_hf_model(c: Config, *, head: bool = True, eager: bool = False) -> nn.Mod
                           f"({type(e).__name__}: {e})") from None
 
 
+def load_weights(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """Put ``state`` into ``model``, every parameter accounted for: a key the model does not
+    have, or a parameter neither in ``state`` nor tied to one that is (a tied head shares the
+    table's storage), is an internal error, never a weight silently kept from before."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded = {params[k].data_ptr() for k in state if k in params}
+    untied = [k for k in missing if k in params and params[k].data_ptr() not in loaded]
+    if unexpected or untied:
+        raise AttnidError(f"internal: {type(model).__name__} " + (
+            f"has no tensor {unexpected[0]}" if unexpected else f"got no value for {untied[0]}"))
+
+
 def build_hf_model(c: Config, *, head: bool = False) -> nn.Module:
     """A transformers model from a config dict, random weights, eager attention, eval mode, float64."""
     return new_hf_model(c, head=head, eager=True).double().eval()

@@ -45,10 +45,9 @@ class Evaluator:
         self.dtype = dtype
 
     def loss(self, m: ModelTensors, data: Batches) -> float:
-        state = {k: v.to(self.dtype) for k, v in m.tensors.items() if v.is_floating_point()}
-        _, unexpected = self.model.load_state_dict(state, strict=False)
-        if unexpected:
-            raise AttnidError(f"internal: the model has no tensor {unexpected[0]}")
+        from attnid.adapters.base import load_weights
+
+        load_weights(self.model, {k: v.to(self.dtype) for k, v in m.tensors.items() if v.is_floating_point()})
         total, count = 0.0, 0
         with torch.no_grad():
             for i in range(0, data.ids.shape[0], data.batch):

@@ -65,10 +65,10 @@ def check_memory(m: ModelTensors, tokens: int) -> None:
 
 def module_of(m: ModelTensors) -> nn.Module:
     """A float64 transformers model holding ``m``'s tensors (eager attention)."""
-    from attnid.adapters.base import new_hf_model
+    from attnid.adapters.base import load_weights, new_hf_model
 
     model = new_hf_model(m.config, head=True, eager=True).double().eval()
-    model.load_state_dict({k: v.to(torch.float64) for k, v in m.tensors.items()}, strict=False)
+    load_weights(model, {k: v.to(torch.float64) for k, v in m.tensors.items()})
     return model
 
 
