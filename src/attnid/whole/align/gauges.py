@@ -22,6 +22,7 @@ import torch
 
 from attnid.rope import plane_dims, project_commutant
 from attnid.spec import AttentionSpec
+from attnid.symmetry.invariants import _fit
 from attnid.whole.fit.rotation import polar
 
 Kind = Literal["orthogonal", "gl"]
@@ -54,8 +55,6 @@ def _orthogonal(XB: torch.Tensor, XA: torch.Tensor, YB: torch.Tensor, YA: torch.
 
 
 def _one_sided(XB: torch.Tensor, XA: torch.Tensor, spec: AttentionSpec | None) -> torch.Tensor:
-    from attnid.symmetry.invariants import _fit
-
     if spec is None:
         return torch.linalg.lstsq(XB, XA).solution
     return _fit(XB, XA, spec)
@@ -131,4 +130,8 @@ def scalar_fit(a: torch.Tensor, b: torch.Tensor, p: torch.Tensor, q: torch.Tenso
     f = torch.where(ok, f, torch.full_like(f, float("inf")))
     best = c.gather(1, f.argmin(1, keepdim=True))[:, 0]
     idle = (a == 0) & (p == 0)
-    return torch.where(idle, torch.ones_like(best), best)
+    best = torch.where(idle, torch.ones_like(best), best)
+    # no x side (a = 0: the quartic has no leading term): p / c^2 - 2 q / c is least at c = p / q
+    # when q > 0, and has no minimum otherwise (it falls towards 0 as c grows): leave it at 1
+    one_sided = (a == 0) & (p > 0)
+    return torch.where(one_sided, torch.where(q > 0, p / q.clamp_min(1e-300), torch.ones_like(best)), best)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 
 from attnid.whole.align.activations import Activations, stream_permutation, stream_rotation
+from attnid.whole.fit.fitter import table_rows
 from attnid.whole.fit.match import assignment
 from attnid.whole.fit.rotation import procrustes
 from attnid.whole.fit.source import TensorSource
@@ -35,8 +36,6 @@ def gains_to(a: ModelTensors, b: ModelTensors) -> ModelTensors:
 
 def _rows(m: ModelTensors) -> torch.Tensor:
     """Gauge-free stream rows (token rows and unembedding rows, centred) for the stream fit."""
-    from attnid.whole.fit.fitter import table_rows
-
     E, U = table_rows(TensorSource(m), torch.float64)
     return E if U is None else torch.cat([E, U])
 
