@@ -461,7 +461,7 @@ def _figures(runs: dict[str, list[FineTune]], rep: Audit, cmp: Comparison, where
             ax_drift.plot(mon, drift, ls=ls, color=c, marker=m, mfc="none", ms=4, lw=1.2)
     ax_acc.axhline(cmp.pretrained, color="grey", ls=":", lw=1)
     ax_loss.set_ylabel(f"contrastive loss (moving average, {window} step{'s' if window > 1 else ''})")
-    ax_acc.set_ylabel("held-out retrieval accuracy (bars: seed min-max)")
+    ax_acc.set_ylabel("held-out retrieval accuracy\n(bars: seed min-max)")
     ax_rho.set_ylabel("median rho (orbit share of the update)")
     ax_rho.set_yscale("log")
     ax_drift.set_ylabel("median ||C_t - C_0|| / ||C_0||")
