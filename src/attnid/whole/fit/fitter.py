@@ -3,7 +3,8 @@
 
 1. gauge-fix both models (`attnid.whole.fit.canonical`: folded norm gains, LayerNorm
    centring, all-ones shifts, translations, logit shift, post-LN and parallel biases);
-2. the residual rotation by Procrustes on the gauge-fixed embedding and unembedding rows; when
+2. the residual rotation by Procrustes on the gauge-fixed embedding and unembedding rows
+   (completed with layer 0's matched MLP rows where the tables do not span the stream); when
    the first layer then disagrees, a second rotation fitted on that layer's rows, and the one
    more of the model agrees with is kept (a table rotated twice is then the table's fault);
 3. per layer, heads and neurons matched by linear assignment, the per-group Q/K and V/O
@@ -321,11 +322,14 @@ class _Rotations:
         self.E, self.U = (ea, eb), (ua, ub)
         self.ln = lay.norm == "layer"
         self.both = _procrustes([self.E, self.U], self.ln)
+        self.completed = ""
+        if self.both is not None and not self.why and _short(self.E, self.U, f.d - self.ln) and f.L:
+            self.both, self.completed = _completed(f, self.E, self.U, self.both, self.ln)
 
     def first(self) -> tuple[torch.Tensor | None, str]:
         if self.why:
             return None, self.why
-        return self.both, "fitted on the embedding and unembedding rows"
+        return self.both, "fitted on the embedding and unembedding rows" + self.completed
 
     def note(self, ma: ModelTensors, mb: ModelTensors, r: UnitResult) -> str | None:
         """Where the stream may not rotate but B's tables are A's rotated: say so."""
@@ -350,6 +354,41 @@ class _Rotations:
                 score[k] = sum(_passing(f.compare(*loaded[u], u, R, with_fixed=False), f.tol) for u in units)
         k = max(score, key=lambda k: (score[k], -k))
         return cands[k] if k else (Q, how)
+
+
+RowPair = tuple[torch.Tensor | None, torch.Tensor | None]  # (A's rows, B's rows)
+
+
+def _short(E: RowPair, U: RowPair, need: int) -> bool:
+    """Whether the centred table rows (each table loses one dimension to its mean) cannot span
+    the ``need`` dimensions of the stream: a vocabulary narrower than the model (characters)."""
+    return sum(x[0].shape[0] - 1 for x in (E, U) if x[0] is not None) < need
+
+
+def _completed(f: _Fitter, E: RowPair, U: RowPair, Q: torch.Tensor, ln: bool) -> tuple[torch.Tensor, str]:
+    """The rotation completed where the tables leave it free. Fitted on rows spanning only a
+    subspace ``S`` of the stream, ``Q`` is exact on ``S`` and arbitrary on its complement. Layer
+    0's MLP reader rows (gains folded; a gated MLP's gate rows) are only permuted by the group,
+    and scaled by a positive factor under ReLU, so normalised they are A's rows up to a
+    permutation: matched on their projection onto ``S`` (where ``Q`` is already right), they
+    join the tables in a second Procrustes fit that spans the stream."""
+    from attnid.whole.fit.match import assignment
+
+    lay = f.lay
+    lin = (lay.gates[0] if lay.gates else None) or lay.mlps[0][0]
+    ma, mb = _load(f.a, 1, f.cd), _load(f.b, 1, f.cd)
+    if not (ma.has(lin) and mb.has(lin)):
+        return Q, ""
+    xa, xb = (C.reader(m, lin, f.cd)[0] for m in (ma, mb))  # [n, d]
+    xa, xb = (x / x.norm(dim=1, keepdim=True).clamp_min(1e-300) for x in (xa, xb))
+    ta = torch.cat([x[0] for x in (E, U) if x[0] is not None])
+    _, sv, Vh = torch.linalg.svd(ta, full_matrices=False)
+    V = Vh[sv > sv[0] * 1e-6].T  # [d, r]: the span of A's table rows
+    perm = assignment(-((xb @ Q @ V) @ (xa @ V).T))  # B's row i is A's row perm[i]
+    pairs = [E, U, (xa[perm], xb)]
+    full = _procrustes(pairs, ln)
+    return (Q, "") if full is None else (full, f", completed with layer 0's MLP rows (the tables span "
+                                                f"{V.shape[1]} of {f.d} dimensions)")
 
 
 def _diagnose(f: _Fitter, ma: ModelTensors, mb: ModelTensors, u: int, Q: torch.Tensor | None,

@@ -3,7 +3,8 @@ Procrustes on gauge-fixed rows that live in the stream (embedding and unembeddin
 layer's reader rows and writer columns): ``Q = argmin ||X_B Q - X_A||`` over ``O(d)``, or, under
 LayerNorm, over the rotations fixing all-ones (both sides are already orthogonal to all-ones,
 so the fit runs in that complement). For B an exact rotation of A the fit is exact whenever the
-rows span the stream (``X_A`` of rank ``d``: a vocabulary wider than the model does it)."""
+rows span the stream (``X_A`` of rank ``d``: a vocabulary wider than the model does it; for a
+narrower one `attnid.whole.fit.fitter` adds layer 0's matched MLP rows)."""
 
 from __future__ import annotations
 
