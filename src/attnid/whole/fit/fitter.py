@@ -387,8 +387,8 @@ def _completed(f: _Fitter, E: RowPair, U: RowPair, Q: torch.Tensor, ln: bool) ->
     perm = assignment(-((xb @ Q @ V) @ (xa @ V).T))  # B's row i is A's row perm[i]
     pairs = [E, U, (xa[perm], xb)]
     full = _procrustes(pairs, ln)
-    return (Q, "") if full is None else (full, f", completed with layer 0's MLP rows (the tables span "
-                                                f"{V.shape[1]} of {f.d} dimensions)")
+    return (Q, "") if full is None else (full, f", completed with layer 0's MLP rows, the tables spanning "
+                                                f"{V.shape[1]} of {f.d} dimensions")
 
 
 def _diagnose(f: _Fitter, ma: ModelTensors, mb: ModelTensors, u: int, Q: torch.Tensor | None,
