@@ -42,7 +42,7 @@ def test_smallest_eigenvalues_are_those_of_the_full_grams(spec: AttentionSpec, d
 
 
 @pytest.mark.parametrize("spec", [s for s in VARIANTS if freed_bias(point(s, torch.float64), "vo")
-                                  or freed_bias(point(s, torch.float64), "qk")], ids=str)
+                                  or freed_bias(point(s, torch.float64), "qk")], ids=AttentionSpec.describe)
 def test_the_rank_one_correction_is_not_vacuous(spec: AttentionSpec):
     """Where a bias row is freed, the gauge Gram's smallest eigenvalue is not the answer."""
     w = point(spec, torch.float64)

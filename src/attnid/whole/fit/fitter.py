@@ -28,6 +28,7 @@ import attnid.whole.fit.canonical as C
 from attnid.errors import AttnidError
 from attnid.whole.fit.compare import Residual, UnitResult, compare_item, compare_unit
 from attnid.whole.fit.frame import Frame, probe_count, probes
+from attnid.whole.fit.match import assignment
 from attnid.whole.fit.rotation import procrustes, rows
 from attnid.whole.fit.source import UnitSource
 from attnid.whole.transforms.element import GroupElement, LayerElement
@@ -372,8 +373,6 @@ def _completed(f: _Fitter, E: RowPair, U: RowPair, Q: torch.Tensor, ln: bool) ->
     and scaled by a positive factor under ReLU, so normalised they are A's rows up to a
     permutation: matched on their projection onto ``S`` (where ``Q`` is already right), they
     join the tables in a second Procrustes fit that spans the stream."""
-    from attnid.whole.fit.match import assignment
-
     lay = f.lay
     lin = (lay.gates[0] if lay.gates else None) or lay.mlps[0][0]
     ma, mb = _load(f.a, 1, f.cd), _load(f.b, 1, f.cd)
