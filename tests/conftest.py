@@ -17,3 +17,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 def _seeded() -> None:
     """Every test starts from the same global seed (tests also seed their own generators)."""
     torch.manual_seed(0)
+
+
+def pytest_make_parametrize_id(config, val, argname):
+    """An `AttentionSpec` parameter is named by `describe()`: its repr shows a frozenset, whose
+    order changes with the hash seed, and the test processes must collect the same ids."""
+    from attnid.spec import AttentionSpec
+
+    return val.describe() if isinstance(val, AttentionSpec) else None

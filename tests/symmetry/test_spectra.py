@@ -102,7 +102,7 @@ def test_gauge_eigh_decomposes_the_gauge_grams(spec: AttentionSpec):
 
 @pytest.mark.parametrize("spec", [AttentionSpec(d_model=12, n_heads=3, bias="qkvo"),
                                   AttentionSpec(d_model=12, n_heads=4, n_kv_heads=2, bias="qk")],
-                         ids=str)
+                         ids=AttentionSpec.describe)
 def test_exact_preconditioner_needs_one_iteration(spec: AttentionSpec):
     """Without RoPE and without nu's b_O coupling the preconditioner is the exact inverse
     (docs/theory.md §10.5) only if the gauge Grams leave out exactly the freed rows."""
