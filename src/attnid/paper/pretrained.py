@@ -32,8 +32,8 @@ from attnid.checkpoint.audit import Audit, audit
 from attnid.checkpoint.diff import compare_layers
 from attnid.errors import AttnidError, require
 from attnid.monitor import Corrector, Monitor
+from attnid.paper.document import Claim, Context, Figure, Section, Table
 from attnid.progress import Progress
-from attnid.report.document import Claim, Context, Figure, Section, Table
 from attnid.stats import median, paired_interval
 from attnid.symmetry.conserved import conserved, flat_key, group_norm
 from attnid.weights import SIDES, AttentionWeights, Side
@@ -152,7 +152,7 @@ class FineTune:
 def fine_tune(name: str, seed: int, budget: Budget, held_out: list, progress: Progress) -> FineTune:
     """One run: loss every step, orbit metrics every ``budget.monitor_every`` steps, held-out
     retrieval at ``budget.eval_steps``; progress on ``progress`` (a bar, or a line per tenth)."""
-    from attnid.train.contrastive import batches, contrastive_loss, embed, load_encoder, retrieval, view_pairs
+    from attnid.paper.contrastive import batches, contrastive_loss, embed, load_encoder, retrieval, view_pairs
 
     run = RUNS[name]
     torch.manual_seed(seed)
@@ -322,7 +322,7 @@ def run_section(steps: int, batch_size: int, n_eval: int, figures: Path, progres
     budget = Budget(steps, batch_size, n_eval, seeds, evals, monitor_every)
     progress = progress or Progress(enabled=False)
     path = minilm_path()
-    from attnid.train.contrastive import load_encoder, retrieval, view_pairs
+    from attnid.paper.contrastive import load_encoder, retrieval, view_pairs
 
     progress.stage("pretrained MiniLM: audit")
     rep = audit(path)

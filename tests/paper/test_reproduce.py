@@ -58,8 +58,8 @@ def test_reproduce_quick_writes_everything_and_every_claim_holds(tmp_path):
 
 
 def test_a_section_plugs_into_the_report(tmp_path, monkeypatch):
-    from attnid.report import reproduce as rep
-    from attnid.report.document import Claim, Figure, Section, Table
+    from attnid.paper import reproduce as rep
+    from attnid.paper.document import Claim, Figure, Section, Table
 
     png = tmp_path / "dot.png"
 
@@ -83,7 +83,7 @@ def test_a_section_plugs_into_the_report(tmp_path, monkeypatch):
 
 
 def test_table4_view_fits_and_explains_every_row():
-    from attnid.report.reproduce import TABLE4_COLUMNS, table4
+    from attnid.paper.reproduce import TABLE4_COLUMNS, table4
 
     rows, _, view, notes = table4()
     assert len(view) == len(rows) and len(TABLE4_COLUMNS) <= 13
@@ -94,7 +94,7 @@ def test_table4_view_fits_and_explains_every_row():
 
 
 def test_figure1_caption_counts_the_cells_on_the_closed_form():
-    from attnid.report.reproduce import figure1_caption
+    from attnid.paper.reproduce import figure1_caption
 
     rows = [{"d_model": 8, "heads": h, "params": 100 * h, "unidentified_arbiter": 50} for h in (1, 2, 4)]
     assert "in 3 of 3 cells: the share depends on H only" in figure1_caption(rows)

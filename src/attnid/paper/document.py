@@ -73,7 +73,7 @@ class Section:
 
 @dataclass(frozen=True)
 class Context:
-    """What a section gets (`attnid.report.reproduce`): where to write, how big to run, where
+    """What a section gets (`attnid.paper.reproduce`): where to write, how big to run, where
     to report progress."""
 
     out: Path  # the report's folder

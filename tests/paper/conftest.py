@@ -8,7 +8,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def smoke(tmp_path_factory):
-    from attnid.train.experiment import run_experiment
+    from attnid.paper.experiment import run_experiment
 
     out = tmp_path_factory.mktemp("experiment")
     return run_experiment(out, scale="smoke")

@@ -1,5 +1,5 @@
 """The training experiment as a report section: figures (PNG), the summary table and the
-checked claims, drawn from :class:`attnid.train.experiment.ExperimentData`.
+checked claims, drawn from :class:`attnid.paper.experiment.ExperimentData`.
 
 Figures use matplotlib's object-oriented API (``Figure`` + the Agg canvas): the user's
 plotting backend is never changed.
@@ -15,13 +15,13 @@ import numpy as np
 from matplotlib.figure import Figure as MplFigure
 from matplotlib.ticker import NullFormatter
 
-from attnid.report import second_order
-from attnid.report.document import Claim, Figure, Section, Table
-from attnid.report.second_order import lr_axis
+from attnid.paper import second_order
+from attnid.paper.document import Claim, Figure, Section, Table
+from attnid.paper.experiment import PAPER_CASES, VARIANTS, ExperimentData, title
+from attnid.paper.second_order import lr_axis
 from attnid.stats import log_slope, median, medians
 from attnid.symmetry.conserved import flat_key
 from attnid.theory import count
-from attnid.train.experiment import PAPER_CASES, VARIANTS, ExperimentData, title
 from attnid.weights import SIDES, Side
 
 SECTION = "Training"
@@ -165,7 +165,7 @@ def _tail(x: np.ndarray, frac: float = 0.2) -> float:
 def claims(data: ExperimentData, prefix: str = "", share: float | None = None,
            key_bias_free: bool = True) -> list[Claim]:
     """The paper's qualitative training claims on one variant, each checked against the runs,
-    and the second-order claims (`attnid.report.second_order`) on both sides."""
+    and the second-order claims (`attnid.paper.second_order`) on both sides."""
     runs, n_heads = data.runs, data.n_heads
     sgd, wd = runs[prefix + "sgd"], runs[prefix + "sgd_wd"]
     adam, reb = runs[prefix + "adamw"], runs[prefix + "adamw_rebalance"]
@@ -218,7 +218,7 @@ def _bias_grads(data: ExperimentData, cases: list[str]) -> tuple[float, float]:
 
 
 def anatomy_claims(data: ExperimentData) -> list[Claim]:
-    """Where AdamW's orbit motion comes from (`attnid.train.drift.update_anatomy`)."""
+    """Where AdamW's orbit motion comes from (`attnid.paper.drift.update_anatomy`)."""
     a = data.anatomy
     if a is None:
         return []

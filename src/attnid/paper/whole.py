@@ -9,8 +9,8 @@ from typing import Any
 
 from attnid.adapters.config import bundled, load_config
 from attnid.adapters.registry import adapter_for
+from attnid.paper.document import Claim, Context, Section, Table
 from attnid.progress import Progress
-from attnid.report.document import Claim, Context, Section, Table
 
 QUICK = ("gpt2", "Llama-2-7b", "Qwen3-8B")  # LayerNorm + positions; RMSNorm; QK-norm
 _NEOX = {"model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"], "hidden_size": 8,

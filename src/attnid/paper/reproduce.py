@@ -4,7 +4,7 @@ Writes under ``out``: ``tables/`` (CSV, JSON, Markdown), ``figures/`` (PNG), ``r
 a self-contained ``report.html`` (figures embedded) and ``summary.json`` (the claims).
 
 The report is assembled from *sections*. A section is a function ``(ctx: Context) ->
-Section`` (`attnid.report.document`): it does its own work at the size ``ctx.quick``
+Section`` (`attnid.paper.document`): it does its own work at the size ``ctx.quick``
 asks for, writes its figures (PNG) under ``ctx.figures``, reports its stages through
 ``ctx.progress.stage(...)`` and returns
 
@@ -35,8 +35,7 @@ from matplotlib.figure import Figure as MplFigure
 from attnid.arbiter.compare import verify
 from attnid.arbiter.rank import randomize_
 from attnid.attention import Attention
-from attnid.progress import Progress
-from attnid.report.document import (
+from attnid.paper.document import (
     Claim,
     Context,
     Figure,
@@ -46,12 +45,13 @@ from attnid.report.document import (
     render_markdown,
     write_table,
 )
-from attnid.report.pretrained import pretrained_section
-from attnid.report.training import training_section
-from attnid.report.whole import whole_model_section
+from attnid.paper.experiment import run_experiment
+from attnid.paper.pretrained import pretrained_section
+from attnid.paper.training import training_section
+from attnid.paper.whole import whole_model_section
+from attnid.progress import Progress
 from attnid.spec import AttentionSpec
 from attnid.theory import count
-from attnid.train.experiment import run_experiment
 
 
 def _claim(claim: str, holds: bool, evidence: str, section: str) -> Claim:

@@ -10,9 +10,9 @@ import re
 import numpy as np
 import pytest
 
-from attnid.report import second_order as so
-from attnid.report import training as tr
-from attnid.report.document import Claim
+from attnid.paper import second_order as so
+from attnid.paper import training as tr
+from attnid.paper.document import Claim
 
 
 def _claims(fn, data, *args) -> list[Claim]:

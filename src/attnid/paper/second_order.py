@@ -8,7 +8,7 @@ change of ``tau = trace C`` over a run is *exactly* ``sum_t trace C(d_t)`` (with
 ``lr * wd``: minus ``2 lr wd sum_t tau_t``); (3) one float64 step from fixed weights drifts like
 ``lr^2`` (slope 2); (4) gradient descent for a fixed time ``lr * steps`` drifts like ``lr``
 (slope 1), so in the gradient-flow limit nothing moves. Each is a claim below, with figures.
-Everything here reads :class:`attnid.train.experiment.ExperimentData`.
+Everything here reads :class:`attnid.paper.experiment.ExperimentData`.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import numpy as np
 from matplotlib.figure import Figure as MplFigure
 from matplotlib.ticker import FixedLocator, NullFormatter, NullLocator
 
+from attnid.paper.experiment import PAPER_CASES, SWEEP_LRS, VARIANTS, ExperimentData, RunData
 from attnid.stats import log_slope, median
 from attnid.symmetry.conserved import flat_key
-from attnid.train.experiment import PAPER_CASES, SWEEP_LRS, VARIANTS, ExperimentData, RunData
 from attnid.weights import SIDES, Side
 
 SECTION = "Training"

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnid.report import pretrained as pt
+from attnid.paper import pretrained as pt
 
 
 @pytest.mark.slow
 def test_quick_section(minilm, digest, tmp_path):
     pytest.importorskip("matplotlib")
-    from attnid.report.pretrained import run_section
+    from attnid.paper.pretrained import run_section
 
     before = digest(minilm)
     sec = run_section(3, 8, 32, tmp_path)

@@ -6,8 +6,8 @@ import io
 import re
 from pathlib import Path
 
+from attnid.paper.document import Claim, Figure, Section, Table, markdown_table, render_html, render_markdown
 from attnid.progress import Progress
-from attnid.report.document import Claim, Figure, Section, Table, markdown_table, render_html, render_markdown
 
 PNG = (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\x00\x00\x00\x01\x00\x00\x00\x01\x08\x06\x00\x00\x00\x1f\x15"
        b"\xc4\x89\x00\x00\x00\rIDATx\x9cc\xf8\x0f\x00\x00\x01\x01\x00\x05\x18\xd8N\x00\x00\x00\x00IEND\xaeB`\x82")

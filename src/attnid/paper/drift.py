@@ -10,7 +10,7 @@
   the gradient, weight decay) beside an isotropic random update.
 
 Both read a run's ``config.json`` and ``checkpoint.pt`` (model, and optimizer state for the
-anatomy) and return plain records; `attnid.report.training` turns them into figures and claims.
+anatomy) and return plain records; `attnid.paper.training` turns them into figures and claims.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Cases (Section 5 of arXiv:2609.01231), defined once in :data:`PAPER_CASES`: (1) 
 cases on a RoPE and on a GQA variant, and AdamW with the ``project`` correction.
 
 This module trains and measures; it returns data (:class:`ExperimentData`) and draws
-nothing. `attnid.report.training` turns the data into figures, tables and claims.
+nothing. `attnid.paper.training` turns the data into figures, tables and claims.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 
 from attnid.errors import AttnidError
+from attnid.paper.drift import Anatomy, SamePoint, same_point_drift, update_anatomy
 from attnid.progress import Progress
 from attnid.symmetry.conserved import flat_key
-from attnid.train.drift import Anatomy, SamePoint, same_point_drift, update_anatomy
 from attnid.train.loop import PRESETS, TrainConfig, train
 from attnid.train.model import GPTConfig
 from attnid.weights import Side
