@@ -100,7 +100,7 @@ def test_core_only_runs_count_verify_train(tmp_path):
         ["count", "--d-model", "16", "--heads", "4"],
         ["verify", "--d-model", "8", "--heads", "2", "--no-confirm"],
         ["train", "--steps", "2", "--n-layers", "1", "--eval-every", "2", "--no-progress",
-         "--no-checkpoint", "--out", str(tmp_path / "t")],
+         "--no-checkpoint", str(tmp_path / "t")],
     ], tmp_path)
     assert [code for code, _ in results] == [0, 0, 0], results
     assert (tmp_path / "t" / "metrics.jsonl").exists()

@@ -12,12 +12,16 @@
 On a terminal (``stream.isatty()``) a rich status line shows the current stage and run and
 a bar shows the steps; otherwise every stage, run and tenth of a run prints one
 ``HH:MM:SS message`` line, flushed at once, so a log file, CI or ``nohup`` sees the work move.
-The ETA of a run assumes the remaining runs take as long as the finished ones of the same
-stage on average.
+The ETA of a run assumes the remaining runs take as long as a typical finished run of the
+same stage: the lower median of their times, so that one run carrying a one-off cost (the
+first run's imports, one model of many that needs a numeric check) does not set the estimate
+for the rest, as a mean did (``attnid report --all`` once said 15 min left of a 1-min job). A
+stage whose runs are not alike (``stage(name, alike=False)``) shows no ETA at all.
 """
 
 from __future__ import annotations
 
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -90,6 +94,7 @@ class Progress:
         self._status = None
         self._run_started: float | None = None
         self._run_seconds: list[float] = []
+        self._alike = True
         if self.rich:
             from rich.console import Console
 
@@ -105,11 +110,13 @@ class Progress:
         self.stream.write(f"{time.strftime('%H:%M:%S')} {message}\n")
         self.stream.flush()
 
-    def stage(self, name: str) -> None:
+    def stage(self, name: str, *, alike: bool = True) -> None:
         """A new stage of the work: closes the timing of the current run, and the ETA of the
-        stage's runs counts only them (a stage's runs are alike; another stage's are not)."""
+        stage's runs counts only them (a stage's runs are alike; another stage's are not).
+        ``alike=False``: the stage's runs differ in cost, and no ETA is shown."""
         self._end_run()
         self._run_seconds = []
+        self._alike = alike
         self._show(name)
 
     def run(self, i: int, n: int, name: str) -> None:
@@ -117,9 +124,8 @@ class Progress:
         self._end_run()
         self._run_started = self.clock()
         msg = f"run {i}/{n} {name}"
-        if self._run_seconds:
-            mean = sum(self._run_seconds) / len(self._run_seconds)
-            left = mean * (n - i + 1)
+        if self._run_seconds and self._alike:
+            left = statistics.median_low(self._run_seconds) * (n - i + 1)
             eta = time.strftime("%H:%M:%S", time.localtime(time.time() + left))
             msg += f" (ETA {eta}, {_clock_text(left)} left)"
         self._show(msg)

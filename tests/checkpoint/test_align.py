@@ -169,13 +169,13 @@ def test_merge_ends_and_identity(family, pairs, tmp_path, capsys):
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_barrier(family, pairs, tmp_path, capsys):
     p = pairs[family]
-    code, r, err = run(capsys, "barrier", p["a"], p["a"], "--data", pairs["text"], "--alphas", "3")
+    code, r, err = run(capsys, "barrier", p["a"], p["a"], "--calibration", pairs["text"], "--alphas", "3")
     assert code == 0, err
     ys = r["losses"]["naive"]
     assert r["barriers"]["naive"] == 0.0 and max(ys) == min(ys), r
     plot = tmp_path / "barrier.png"
-    code, r, err = run(capsys, "barrier", p["a"], p["b"], "--align", "--data", pairs["text"], "--alphas", "5",
-                       "--plot", plot)
+    code, r, err = run(capsys, "barrier", p["a"], p["b"], "--align", "--calibration", pairs["text"],
+                       "--alphas", "5", "--plot", plot)
     assert code == 0 and plot.stat().st_size > 1000, err
     ys = r["losses"]["aligned"]
     assert max(ys) - min(ys) < 1e-4 * max(ys), f"the aligned path to A's own rewrite is not flat: {ys}"
@@ -189,22 +189,22 @@ def _bad_cases(p: dict, root: Path, tmp: Path) -> dict[str, tuple[list, str]]:
     return {
         "other-architecture-align": (["align", a, p["gpt2"]["a"], out], "not the same architecture"),
         "other-architecture-merge": (["merge", a, p["gpt2"]["a"], out], "not the same architecture"),
-        "other-architecture-barrier": (["barrier", a, p["gpt2"]["a"], "--data", text],
+        "other-architecture-barrier": (["barrier", a, p["gpt2"]["a"], "--calibration", text],
                                        "not the same architecture"),
-        "missing-data": (["barrier", a, b, "--data", tmp / "none.txt"], "--data"),
-        "short-data": (["barrier", a, b, "--data", root / "short.txt"], "fewer than one block"),
+        "missing-data": (["barrier", a, b, "--calibration", tmp / "none.txt"], "--calibration"),
+        "short-data": (["barrier", a, b, "--calibration", root / "short.txt"], "fewer than one block"),
         "missing-calibration": (["align", a, b, out, "--calibration", tmp / "none.txt"], "--calibration"),
-        "missing-tokenizer": (["barrier", root / "bare", b, "--data", text], "tokenizer"),
+        "missing-tokenizer": (["barrier", root / "bare", b, "--calibration", text], "tokenizer"),
         "alpha-high": (["merge", a, b, out, "--alpha", "1.5"], "--alpha"),
         "alpha-nan": (["merge", a, b, out, "--alpha", "nan"], "--alpha"),
-        "alphas-two": (["barrier", a, b, "--data", text, "--alphas", "2"], "--alphas"),
+        "alphas-two": (["barrier", a, b, "--calibration", text, "--alphas", "2"], "--alphas"),
         "group": (["align", a, b, out, "--group", "rotations"], "--group"),
         "out-is-a": (["align", a, b, a], "OUT_DIR"),
         "out-is-b": (["merge", a, b, b], "OUT_DIR"),
         "out-not-empty": (["align", a, b, root], "not empty"),
-        "plot-folder": (["barrier", a, b, "--data", text, "--plot", tmp / "no" / "x.png"], "--plot"),
-        "plot-format": (["barrier", a, b, "--data", text, "--plot", tmp / "x.nope"], "nope"),
-        "context": (["barrier", a, b, "--data", text, "--context", "1000"], "--context"),
+        "plot-folder": (["barrier", a, b, "--calibration", text, "--plot", tmp / "no" / "x.png"], "--plot"),
+        "plot-format": (["barrier", a, b, "--calibration", text, "--plot", tmp / "x.nope"], "nope"),
+        "context": (["barrier", a, b, "--calibration", text, "--context", "1000"], "--context"),
         "missing-model": (["align", tmp / "nothing", b, out], "nothing"),
     }
 
@@ -267,5 +267,6 @@ def test_merge_and_barrier_refuse_an_alignment_that_is_not_b(pairs, tmp_path, ca
     p = pairs["llama"]
     code, _, err = run(capsys, "merge", p["a"], p["c"], tmp_path / "merged", "--align")
     assert code == 2 and "not certified" in err and not (tmp_path / "merged").exists(), err
-    code, _, err = run(capsys, "barrier", p["a"], p["c"], "--align", "--data", pairs["text"], "--alphas", "3")
+    code, _, err = run(capsys, "barrier", p["a"], p["c"], "--align", "--calibration", pairs["text"],
+                       "--alphas", "3")
     assert code == 2 and "not certified" in err, err

@@ -189,7 +189,7 @@ def test_new_variants_train_with_the_monitor(arch, tmp_path):
 
 def test_train_cli_arch_flags_and_refusal_before_work(tmp_path, capsys):
     out = tmp_path / "run"
-    code = main(["train", "--out", str(out), "--arch", "llama", "--layers", "1", "--d-model", "32",
+    code = main(["train", str(out), "--arch", "llama", "--layers", "1", "--d-model", "32",
                  "--kv-heads", "2", "--d-ff", "48", "--seq-len", "16", "--steps", "4", "--hf",
                  "--no-progress"])
     assert code == 0, capsys.readouterr().err
@@ -199,6 +199,6 @@ def test_train_cli_arch_flags_and_refusal_before_work(tmp_path, capsys):
     assert "LlamaForCausalLM" in capsys.readouterr().out
     hf_config = json.loads((out / "hf" / "config.json").read_text())
     assert hf_config["num_key_value_heads"] == 2 and hf_config["intermediate_size"] == 48
-    code = main(["train", "--out", str(tmp_path / "no"), "--steps", "4", "--hf", "--no-progress"])
+    code = main(["train", str(tmp_path / "no"), "--steps", "4", "--hf", "--no-progress"])
     assert code == 2 and capsys.readouterr().err.startswith("error: cannot export attention biases 'qk'")
     assert not (tmp_path / "no").exists()

@@ -75,7 +75,7 @@ def test_learning_rate_schedule(schedule, warmup, tmp_path):
 
 def test_train_writes_config_and_metrics_schema(tmp_path, capsys):
     out = tmp_path / "run"
-    code = main(["train", "--out", str(out), "--layers", "1", "--d-model", "32", "--seq-len", "16",
+    code = main(["train", str(out), "--layers", "1", "--d-model", "32", "--seq-len", "16",
                  "--steps", "12", "--log-every", "4", "--eval-every", "8", "--optimizer", "sgd",
                  "--lr", "0.1", "--bias", "qk", "--no-progress"])
     assert code == 0
@@ -127,14 +127,14 @@ def test_interrupt_leaves_valid_log_and_resume_continues(tmp_path, monkeypatch):
 
 
 def test_resume_without_checkpoint_is_a_clean_error(tmp_path, capsys):
-    code = main(["train", "--out", str(tmp_path / "none"), "--resume", "--no-progress"])
+    code = main(["train", str(tmp_path / "none"), "--resume", "--no-progress"])
     assert code == 2 and capsys.readouterr().err.startswith("error: nothing to resume")
 
 
 def test_ddp_two_processes_stay_in_sync(tmp_path):
     out = tmp_path / "ddp"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = torchrun([*TWO, "-m", "attnid", "train", "--out", str(out), "--layers", "1", "--d-model", "32",
+    proc = torchrun([*TWO, "-m", "attnid", "train", str(out), "--layers", "1", "--d-model", "32",
                      "--seq-len", "16", "--steps", "8", "--log-every", "2", "--correct", "rebalance:3",
                      "--no-progress"], env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-6000:]
@@ -145,7 +145,7 @@ def test_ddp_two_processes_stay_in_sync(tmp_path):
 
 def test_train_prints_rho_and_beta_and_checkpoint_is_optional(tmp_path, capsys):
     out = tmp_path / "run"
-    code = main(["train", "--out", str(out), "--layers", "1", "--d-model", "32", "--seq-len", "16",
+    code = main(["train", str(out), "--layers", "1", "--d-model", "32", "--seq-len", "16",
                  "--steps", "6", "--log-every", "2", "--optimizer", "sgd", "--lr", "0.1",
                  "--no-progress", "--no-checkpoint"])
     printed = capsys.readouterr().out
@@ -171,6 +171,6 @@ def test_ctrl_c_in_the_cli_exits_130_with_one_line(tmp_path, capsys, monkeypatch
         raise KeyboardInterrupt
 
     monkeypatch.setattr(loop, "train", interrupted)
-    code = main(["train", "--out", str(tmp_path / "x"), "--no-progress"])
+    code = main(["train", str(tmp_path / "x"), "--no-progress"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 130 and len(err) == 1 and "attnid train --resume" in err[0]

@@ -102,7 +102,7 @@ def barrier(model_a: str | Path, model_b: str | Path, data: str | Path, *, align
     check_group(group)
     a, b, ua, ub = open_pair(model_a, model_b, purpose="barrier")
     check_causal(a)
-    blocks = read_blocks(a, data, context=context, max_tokens=max_tokens)
+    blocks = read_blocks(a, data, context=context, max_tokens=max_tokens, option="--calibration")
     shown = progress if progress is not None else Progress(enabled=False)
     A, B = load_tensors(ua), load_tensors(ub)
     ev = Evaluator(a)

@@ -2,7 +2,9 @@
 
 User mistakes (:class:`attnid.AttnidError`, bad flags) print one ``error:`` line on
 stderr and exit 2; ``verify`` exits 1 when theory and arbiter disagree. Each command's
-module imports what it needs inside the command, so ``--help`` stays fast.
+module imports what it needs inside the command, so ``--help`` stays fast. Deprecated
+spellings of flags are rewritten before parsing (`attnid.cli.deprecated`), each with one
+``warning:`` line on stderr.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from attnid.cli import (  # noqa: F401  (register commands)
     training,
 )
 from attnid.cli.app import app
+from attnid.cli.deprecated import rewrite_argv
 from attnid.errors import AttnidError
 
 __all__ = ["app", "main"]
@@ -33,8 +36,9 @@ __all__ = ["app", "main"]
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: runs the app and maps user errors to one ``error:`` line, exit 2."""
+    args = rewrite_argv(sys.argv[1:] if argv is None else list(argv))
     try:  # click returns an Exit's code here
-        code = _command().main(args=argv, standalone_mode=False, prog_name="attnid")
+        code = _command().main(args=args, standalone_mode=False, prog_name="attnid")
     except AttnidError as e:
         print(f"error: {one_line(str(e))}", file=sys.stderr)
         return 2

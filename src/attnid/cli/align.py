@@ -102,7 +102,8 @@ def merge_cmd(
 def barrier_cmd(
     model_a: ModelA,
     model_b: ModelB,
-    data: Annotated[str, typer.Option("--data", help="Text file the loss is measured on (A's tokenizer).")],
+    calibration: Annotated[str, typer.Option(
+        "--calibration", help="Text file the loss is measured on (A's tokenizer).")],
     align: Annotated[bool, typer.Option("--align", help="Also the path to B aligned onto A.")] = False,
     group: GroupOpt = "full",
     alphas: Annotated[int, typer.Option("--alphas", help="Points along the path, ends included.")] = 11,
@@ -131,7 +132,7 @@ def barrier_cmd(
         _check_format(plot)
     if max_tokens < 2:
         raise AttnidError(f"--max-tokens {max_tokens}: at least one block of 2 tokens")
-    r = barrier(model_a, model_b, data, aligned=align, group=group, alphas=alphas, context=context,
+    r = barrier(model_a, model_b, calibration, aligned=align, group=group, alphas=alphas, context=context,
                 max_tokens=max_tokens, progress=sized_progress(model_a, model_b, above=2**26))
     if plot:
         plot_path(r["alphas"], r["losses"], plot, f"{Path(r['model_a']).name} -> {Path(r['model_b']).name}")

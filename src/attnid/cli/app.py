@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 
+from attnid.errors import AttnidError
 from attnid.spec import AttentionSpec
 from attnid.theory import Count
 
@@ -41,11 +43,30 @@ Json = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
 def make_spec(d_model: int, n_heads: int, n_kv_heads: int | None, head_dim: int | None,
               v_head_dim: int | None, bias: str, rope: float, rope_pairing: str,
               qk_norm: str, qk_norm_eps: float) -> AttentionSpec:
-    return AttentionSpec(
-        d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
-        v_head_dim=v_head_dim, bias=bias, rope=rope, rope_pairing=rope_pairing,  # type: ignore[arg-type]
-        qk_norm=qk_norm, qk_norm_eps=qk_norm_eps,  # type: ignore[arg-type]
-    )
+    """The spec the flags give; a refusal names the flags, not `AttentionSpec`'s fields."""
+    try:
+        return AttentionSpec(
+            d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
+            v_head_dim=v_head_dim, bias=bias, rope=rope, rope_pairing=rope_pairing,  # type: ignore[arg-type]
+            qk_norm=qk_norm, qk_norm_eps=qk_norm_eps,  # type: ignore[arg-type]
+        )
+    except AttnidError as e:
+        raise AttnidError(flag_words(str(e))) from None
+
+
+# AttentionSpec's fields that are flags of count and verify, longest first
+_SPEC_FLAGS = re.compile(r"(?<![\w-])(qk_norm_eps|v_head_dim|n_kv_heads|rope_pairing|head_dim|d_model|"
+                         r"n_heads|qk_norm|rope fraction)(=?)")
+
+
+def flag_words(message: str) -> str:
+    """A spec refusal in the CLI's words: each field named by its flag.
+
+    >>> flag_words("n_heads=3 does not divide d_model=10; give head_dim explicitly")
+    '--n-heads 3 does not divide --d-model 10; give --head-dim explicitly'
+    """
+    return _SPEC_FLAGS.sub(lambda m: "--" + m[1].split()[0].replace("_", "-") + (" " if m[2] else ""),
+                           message)
 
 
 def _describe(spec: dict) -> str:

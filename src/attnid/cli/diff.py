@@ -41,7 +41,7 @@ def diff_cmd(
 def _print(r: dict) -> None:
     from rich.table import Table
 
-    table = Table(title=f"{r['model_b']} vs {r['model_a']}  ({r['architecture']}, {r['dtype']})")
+    table = Table(title=f"{r['model_a']} vs {r['model_b']}  ({r['architecture']}, {r['dtype']})")
     for col in ("layer", "raw distance", "aligned distance", "gauge share", "rotation share",
                 "permutation share", "worst", "residual"):
         table.add_column(col, justify="right")

@@ -8,8 +8,6 @@ import typer
 
 from attnid.cli.app import Json, app, emit_json, sized_progress
 
-Random = Literal["random"]
-
 
 @app.command("rewrite")
 def rewrite_cmd(
@@ -23,14 +21,14 @@ def rewrite_cmd(
     rotate_values: Annotated[Literal["hadamard", "random"] | None, typer.Option(
         "--rotate-values", help="Rotate each key/value group's values and its heads' output rows "
                                 "(R2).")] = None,
-    qk_planes: Annotated[Random | None, typer.Option(
-        "--qk-planes", help="Per-group Q/K transforms in the RoPE commutant.")] = None,
-    scale_mlp: Annotated[Random | None, typer.Option(
-        "--scale-mlp", help="Positive per-neuron MLP scales (ReLU; gated: the up half).")] = None,
-    permute_mlp: Annotated[Random | None, typer.Option(
-        "--permute-mlp", help="Permute each MLP's neurons.")] = None,
-    permute_heads: Annotated[Random | None, typer.Option(
-        "--permute-heads", help="Permute key/value groups and the heads within each.")] = None,
+    qk_planes: Annotated[bool, typer.Option(
+        "--qk-planes", help="Random per-group Q/K transforms in the RoPE commutant.")] = False,
+    scale_mlp: Annotated[bool, typer.Option(
+        "--scale-mlp", help="Random positive per-neuron MLP scales (ReLU; gated: the up half).")] = False,
+    permute_mlp: Annotated[bool, typer.Option(
+        "--permute-mlp", help="Permute each MLP's neurons at random.")] = False,
+    permute_heads: Annotated[bool, typer.Option(
+        "--permute-heads", help="Permute key/value groups and the heads within each at random.")] = False,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random parts.")] = 0,
     force: Annotated[bool, typer.Option("--force", help="Replace a non-empty OUT_DIR.")] = False,
     json_out: Json = False,
@@ -45,8 +43,8 @@ def rewrite_cmd(
     require_extras("hf", what="attnid rewrite")
 
     recipe = Recipe(fold_norms=fold_norms, rotate_residual=rotate_residual, rotate_values=rotate_values,
-                    qk_planes=qk_planes is not None, scale_mlp=scale_mlp is not None,
-                    permute_mlp=permute_mlp is not None, permute_heads=permute_heads is not None, seed=seed)
+                    qk_planes=qk_planes, scale_mlp=scale_mlp, permute_mlp=permute_mlp,
+                    permute_heads=permute_heads, seed=seed)
     r = rewrite(in_dir, out_dir, recipe, force=force, progress=sized_progress(in_dir, above=2**28))
     if json_out:
         emit_json(r)

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 
-from attnid.cli.app import NKVHeads, QKNormOpt, app
+from attnid.cli.app import Json, NKVHeads, QKNormOpt, app, emit_json
 
 if TYPE_CHECKING:
     from attnid.train.loop import TrainSummary
@@ -14,9 +14,10 @@ if TYPE_CHECKING:
 
 @app.command("train")
 def train_cmd(
-    out: Annotated[str, typer.Option("--out", help="Output directory.")] = "runs/train",
-    preset: Annotated[Literal["tiny", "small", "paper"], typer.Option(
-        "--preset", help="Model size (layers, heads, width, context).")] = "tiny",
+    out: Annotated[str, typer.Argument(
+        help="Output directory: metrics.jsonl, summary.json, checkpoint.pt.")] = "runs/train",
+    scale: Annotated[Literal["tiny", "small", "paper"], typer.Option(
+        "--scale", help="Model size (layers, heads, width, context).")] = "tiny",
     arch: Annotated[Literal["nanogpt", "gpt2", "llama"], typer.Option(
         "--arch", help="nanogpt: LayerNorm, GELU, learned positions, tied, q/k biases; gpt2: the "
         "same with all biases; llama: RMSNorm, SwiGLU, RoPE, untied, no biases.")] = "nanogpt",
@@ -54,13 +55,14 @@ def train_cmd(
     eval_every: Annotated[int, typer.Option("--eval-every")] = 50,
     correct: Annotated[str, typer.Option("--correct", help="off | project | rebalance:N")] = "off",
     device: Annotated[str, typer.Option("--device")] = "cpu",
-    resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out.")] = False,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue the run in OUT.")] = False,
     progress: Annotated[bool, typer.Option("--progress/--no-progress")] = True,
     checkpoint: Annotated[bool, typer.Option(
         "--checkpoint/--no-checkpoint", help="Write OUT/checkpoint.pt (needed for --resume).")] = True,
     hf: Annotated[bool, typer.Option(
         "--hf/--no-hf", help="Also write OUT/hf, a Hugging Face checkpoint with a character "
         "tokenizer (--arch gpt2 or llama; needs attnid[hf]).")] = False,
+    json_out: Json = False,
 ) -> None:
     """Train the small GPT on character-level Shakespeare, logging orbit metrics."""
     from pathlib import Path
@@ -71,7 +73,7 @@ def train_cmd(
     overrides = {k: v for k, v in dict(n_layers=n_layers, n_heads=n_heads, d_model=d_model,
                                        block_size=seq_len, attn_bias=bias, rope=rope, norm=norm, mlp=mlp,
                                        d_ff=d_ff, tie_weights=tie).items() if v is not None}
-    model = GPTConfig(**{**PRESETS[preset], **ARCHS[arch], **overrides}, n_kv_heads=n_kv_heads,
+    model = GPTConfig(**{**PRESETS[scale], **ARCHS[arch], **overrides}, n_kv_heads=n_kv_heads,
                       qk_norm=qk_norm)
     model.attention_spec()  # validate before any work
     cfg = TrainConfig(model=model, optimizer=optimizer, lr=lr, weight_decay=weight_decay,
@@ -81,11 +83,13 @@ def train_cmd(
     try:
         summary = train(cfg, Path(out), resume=resume, progress=progress, checkpoint=checkpoint, hf=hf)
     except KeyboardInterrupt:
-        hint = (f"continue with attnid train --resume --out {out}" if checkpoint
+        hint = (f"continue with attnid train --resume {out}" if checkpoint
                 else "no checkpoint was written (--no-checkpoint)")
         typer.echo(f"error: interrupted; the log in {out} is valid; {hint}", err=True)
         raise typer.Exit(130) from None
-    if summary.rank == 0:
+    if summary.rank == 0 and json_out:
+        emit_json(summary.to_dict())
+    elif summary.rank == 0:
         _print_train_summary(summary, out)
 
 

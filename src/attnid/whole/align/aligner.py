@@ -281,7 +281,7 @@ def align(a: nn.Module | ModelTensors, b: nn.Module | ModelTensors, *, group: Gr
         if group == "full" or Q is not None:
             gains = {nm.path: A.gain(nm) / permuted(before.gain(nm), perm)
                      for nm in lay.norms if foldable(nm) and f"{nm.path}.weight" in B}
-        say(f"stream: {how}")
+        say("stream fitted")  # how: in the result (`Alignment.stream`), said once by its reader
     stage("stream", B)
     B, layers, refined = _fit_layers(A, B, group, acts, Q, perm, stage)
     gains = {p: gains.get(p, torch.ones_like(s)) * s for p, s in refined.items()} if refined else gains
