@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from attnid.cli.app import Json, app, console, emit_json, sized_progress
+from attnid.cli.app import Json, app, console, emit_json, narrow_table, sized_progress
 
 ModelA = Annotated[str, typer.Argument(help="Reference checkpoint A (directory, config.json, .safetensors).")]
 ModelB = Annotated[str, typer.Argument(help="Checkpoint B of the same architecture.")]
@@ -44,20 +44,17 @@ def align_cmd(
         return
     _print_alignment(r)
     e2e = r["end_to_end_rel_diff"]
-    typer.echo(f"written {out_dir}: certified by attnid diff against B (every residual <= "
-               f"{r['max_residual']:.2e}, rounding level {r['tolerance']:.1e}); end to end: "
+    typer.echo(f"written {out_dir}: certified by attnid diff against B\n  every residual <= "
+               f"{r['max_residual']:.2e} (rounding level {r['tolerance']:.1e}); end to end: "
                + ("skipped (large checkpoint)" if e2e is None else f"{e2e:.2e}"))
 
 
 def _print_alignment(r: dict) -> None:
-    from rich.table import Table
-
     from attnid.whole.align import PARTS
 
-    table = Table(title=f"{r['model_b']} aligned onto {r['model_a']} ({r['architecture']}, "
-                        f"group {r['group']})")
-    for col in ("layer", "raw distance", "aligned distance", *(f"{p} share" for p in PARTS)):
-        table.add_column(col, justify="right")
+    table = narrow_table(f"{r['model_b']} aligned onto {r['model_a']} ({r['architecture']}, group "
+                         f"{r['group']})", ["layer", "raw distance", "aligned distance",
+                                            *(f"{p} share" for p in PARTS)])
     rows = [("embeddings", r["embeddings"]), *((str(x["layer"]), x) for x in r["layers"]),
             ("head", r["head"]), ("total", r)]
     for name, x in rows:
@@ -65,7 +62,7 @@ def _print_alignment(r: dict) -> None:
                       *(_share(x["shares"][p]) for p in PARTS))
     out = console()
     out.print(table)
-    out.print(f"stream: {r['stream']}")
+    out.print("stream: " + r["stream"].replace("; ", "\n  "))
 
 
 def _share(x: float) -> str:

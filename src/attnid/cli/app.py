@@ -127,6 +127,18 @@ def sized_progress(*models: str, above: int) -> Progress:
     return Progress(enabled=size > above)
 
 
+def narrow_table(title: str, columns: list[str]) -> Any:
+    """A rich table whose headers of several words stand on two lines (split at the last
+    space), so that a report fits about 100 columns; every column right-aligned."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in columns:
+        head, _, tail = col.rpartition(" ")
+        table.add_column(f"{head}\n{tail}" if head else col, justify="right")
+    return table
+
+
 def emit_json(obj: Any) -> None:
     """Print ``obj`` as strict JSON: non-finite floats (an infinite spectral gap) become null."""
     typer.echo(json.dumps(finite(obj), indent=2, allow_nan=False))

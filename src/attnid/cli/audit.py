@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from attnid.cli.app import Json, app, console, emit_json
+from attnid.cli.app import Json, app, console, emit_json, narrow_table
 
 if TYPE_CHECKING:
     from attnid.checkpoint.audit import Audit
@@ -64,12 +64,9 @@ def _check_format(plot: str) -> None:
 
 
 def _print(report: Audit) -> None:
-    from rich.table import Table
-
-    table = Table(title=f"{report.model}  ({report.architecture}, {report.spec}, {report.dtype})")
-    for col in ("layer", "imbalance_qk med/max", "imbalance_vo med/max", "tau_qk med", "tau_vo med",
-                "key bias invisible", "b_V foldable", "removable norm", "removable share"):
-        table.add_column(col, justify="right")
+    table = narrow_table(f"{report.model}  ({report.architecture}, {report.spec}, {report.dtype})",
+                         ["layer", "imbalance_qk med/max", "imbalance_vo med/max", "tau_qk med",
+                          "tau_vo med", "key bias invisible", "b_V foldable", "removable norm (share)"])
     for layer in report.layers:
         r = layer.row()
         table.add_row(str(r["layer"]), f"{r['imbalance_qk_median']:.3f}/{r['imbalance_qk_max']:.3f}",
@@ -77,12 +74,12 @@ def _print(report: Audit) -> None:
                       f"{r['tau_qk_median']:.3g}", f"{r['tau_vo_median']:.3g}",
                       _or_dash(r["key_bias_invisible_median"], ".2f"),
                       _or_dash(r["value_bias_foldable"], ".3g"),
-                      f"{r['removable_norm']:.3g}", f"{r['removable_share']:.3f}")
+                      f"{r['removable_norm']:.3g} ({r['removable_share']:.3f})")
     out = console()
     out.print(table)
     s = report.summary
     out.print(f"imbalance_qk median {s.imbalance_qk_median:.3f} max {s.imbalance_qk_max:.3f}   "
-              f"imbalance_vo median {s.imbalance_vo_median:.3f} max {s.imbalance_vo_max:.3f}   "
+              f"imbalance_vo median {s.imbalance_vo_median:.3f} max {s.imbalance_vo_max:.3f}\n"
               f"removable norm {s.removable_norm:.3g}")
 
 

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from attnid.cli.app import Json, app, console, emit_json, sized_progress
+from attnid.cli.app import Json, app, console, emit_json, narrow_table, sized_progress
 
 
 @app.command("diff")
@@ -39,12 +39,9 @@ def diff_cmd(
 
 
 def _print(r: dict) -> None:
-    from rich.table import Table
-
-    table = Table(title=f"{r['model_a']} vs {r['model_b']}  ({r['architecture']}, {r['dtype']})")
-    for col in ("layer", "raw distance", "aligned distance", "gauge share", "rotation share",
-                "permutation share", "worst", "residual"):
-        table.add_column(col, justify="right")
+    table = narrow_table(f"{r['model_a']} vs {r['model_b']}  ({r['architecture']}, {r['dtype']})",
+                         ["layer", "raw distance", "aligned distance", "gauge share", "rotation share",
+                          "permutation share", "worst", "residual"])
     for x in r["layers"]:
         head = "" if x["worst_head"] is None else f", head {x['worst_head']}"
         table.add_row(str(x["layer"]), f"{x['raw_distance']:.3g}", f"{x['aligned_distance']:.3g}",
@@ -56,7 +53,7 @@ def _print(r: dict) -> None:
     o = r["other"]
     if o["worst_tensor"] is not None:
         out.print(f"embeddings and head: largest residual {o['residual']:.2e} ({o['worst_tensor']})")
-    out.print("covers: " + "; ".join(r["covers"]))
+    out.print("covers:\n" + "\n".join(f"  {c}" for c in r["covers"]))
     b = r["break"]
     if b is None:
         out.print(f"CERTIFIED: B computes A's function up to {r['dtype']} rounding "

@@ -55,5 +55,5 @@ def rewrite_cmd(
     typer.echo(f"{r['architecture']}: {r['layers']} layers -> {out_dir}\n"
                f"  {done} (seed {r['seed']})\n"
                f"  certified by attnid diff: every residual <= {r['max_residual']:.2e} "
-               f"(rounding level {r['tolerance']:.1e}); end to end: "
+               f"(rounding level {r['tolerance']:.1e})\n  end to end: "
                + ("skipped (large checkpoint)" if e2e is None else f"{e2e:.2e}") + f"; {r['seconds']:.1f}s")

@@ -105,5 +105,5 @@ def _print_train_summary(s: TrainSummary, out: str) -> None:
     size = f", checkpoint {s.checkpoint_bytes / 1e6:.1f} MB" if s.checkpoint_bytes is not None else ""
     typer.echo(f"  metrics in {out}/metrics.jsonl{size}")
     if s.hf is not None:
-        typer.echo(f"  Hugging Face checkpoint in {s.hf.path} ({s.hf.architecture}; its logits "
-                   f"match the model's to {s.hf.error:.1e} in float64)")
+        typer.echo(f"  Hugging Face checkpoint in {out}/hf ({s.hf.architecture}; its logits "
+                   f"match to {s.hf.error:.1e})")
