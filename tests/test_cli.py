@@ -286,3 +286,16 @@ def test_a_stage_of_unlike_runs_shows_no_eta(capsys, monkeypatch):
         p.run(i, 2, "t")
     lines = stream.getvalue().splitlines()
     assert not _eta_left(lines[:4]) and len(_eta_left(lines[4:])) == 1, lines
+
+
+def test_report_all_shows_no_eta(capsys, monkeypatch):
+    """Its models are not alike (one numeric check takes 400 times a closed form): no ETA."""
+    def fake(progress):
+        for i in (1, 2, 3):
+            progress.run(i, 3, f"model {i}")
+        return []
+
+    monkeypatch.setattr("attnid.report.models.all_reports", fake)
+    code, out, err = run(capsys, "report", "--all", "--json")
+    assert code == 0 and json.loads(out) == [] and "run 3/3 model 3" in err, err
+    assert "ETA" not in err and " left" not in err, err
