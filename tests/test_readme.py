@@ -12,7 +12,8 @@ docs/*.md), so an edit that breaks an example fails here, named by file and comm
   leaves to the reader (``model``, ``batches``, ...) is built by ``GIVEN``.
 * a ```bash block: the set-up, test and lint commands are checked to exist and parse (CI
   runs them for real); a ``python -c`` snippet runs in the file's scratch directory.
-* the command reference table of docs/cli.md against ``--help``; every backticked
+* the command reference table of docs/cli.md against ``--help``; the whole-model table of
+  docs/counting.md against ``count_model``; every backticked
   ``attnid.…`` name of the prose imports; every relative link leads to a file and heading.
 
 Training runs (and the commands after them in their file, which read what they wrote) are
@@ -446,6 +447,26 @@ def test_every_command_has_a_reference_row():
 
     rows = {c.split("`")[1].split()[1] for _, c in REFERENCE}
     assert set(_command().commands) <= rows, f"docs/cli.md has no row for {set(_command().commands) - rows}"
+
+
+# ---- the whole-model table of docs/counting.md: each row is `count_model(name)` ------------------
+ROW = re.compile(r"^\| ([\w.-]+) \| ([\d,]+) \| ([\d,]+) \| ([\d,]+) \| ([\d.]+)% \|$", re.M)
+TABLE = [(f, row) for f, text in DOCS.items() for row in ROW.findall(text)]
+
+
+def test_the_whole_model_table_is_there():
+    assert len(TABLE) >= 10, "the table of count_model rows moved: update ROW"
+
+
+@pytest.mark.parametrize("file, row", TABLE, ids=[f"{f}: {r[0]}" for f, r in TABLE])
+def test_whole_model_table_row(file, row):
+    from attnid import count_model
+
+    name, total, unid, near, identified = row
+    c = count_model(name)
+    got = (c.total, c.unidentified, c.near_unidentified)
+    assert got == tuple(int(x.replace(",", "")) for x in (total, unid, near)), (file, name, got)
+    assert f"{100 * (1 - c.unidentified / c.total):.4f}" == identified, (file, name)
 
 
 # ---- the prose: every `attnid.…` name imports, every relative link leads somewhere ---------------
