@@ -11,7 +11,7 @@ size, sharded safetensors included). B is *certified* when every residual is at 
 otherwise the first piece that breaks, in forward order, is named by its layer, head and the
 checkpoint tensor to blame. A tied model and an untied one (QuaRot and SpinQuant untie a tied
 model to rotate its stream) are compared as two untied models, the tied head being its token
-table (docs/theory.md §13.20). Per layer: the stored distance, the distance after the fitted
+table (docs/theory.md §13.21). Per layer: the stored distance, the distance after the fitted
 element, and the share of the difference the rotation and the permutations explain.
 
 `compare_layers` (the attention group of one layer, `attnid.symmetry.invariants`) is re-exported.

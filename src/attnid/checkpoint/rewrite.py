@@ -17,7 +17,7 @@ What is no symmetry of the architecture is refused before any work, in one line:
 rotation of a post-LN model (BERT), of a bare model, or of a tied model whose final gain is not
 uniform unless ``untie`` (QuaRot's and SpinQuant's way: the head becomes a tensor of its own,
 ``lm_head.weight``, which takes the final gain while the token table rotates; the config says
-``tie_word_embeddings: false``; docs/theory.md §13.20); Q/K transforms under QK-norm; MLP
+``tie_word_embeddings: false``; docs/theory.md §13.21); Q/K transforms under QK-norm; MLP
 scaling of GELU/SiLU MLPs. The output goes to a temporary sibling of OUT_DIR and is verified by
 `attnid diff` against the input (the whole-model invariants, every layer, at the dtype's
 rounding: certified) and, for checkpoints up to 2 GiB, end to end with transformers; only then

@@ -9,7 +9,7 @@ each mapped to the checkpoint's own name (`attnid.checkpoint.load.Checkpoint.res
 outer prefix dropped, GPT-NeoX's ``embed_out``). A tied head stored once is simply absent,
 unless the checkpoint is opened *untied* (`open_units` ``untie=True``): then it is read as the
 architecture with ``tie_word_embeddings: false``, whose head reads the token table's bytes
-(docs/theory.md §13.20: the function is the same; the final gain becomes a foldable norm).
+(docs/theory.md §13.21: the function is the same; the final gain becomes a foldable norm).
 """
 
 from __future__ import annotations
@@ -72,6 +72,8 @@ def open_units(ck: Checkpoint, *, untie: bool = False) -> Units:
     """The unit structure of an opened checkpoint (needs transformers for the layout);
     ``untie``: a tied head is read as a head of its own holding the token table (see the
     module)."""
+    from attnid.whole.transforms.layout import state_names
+
     lay, config = layout_of_config(ck), ck.config
     head = None
     if untie and lay.tied and lay.unembed is not None:
@@ -102,12 +104,6 @@ def layout_of_config(ck: Checkpoint, config: dict | None = None) -> Layout:
     except Exception as e:  # transformers cannot build the class from this config
         raise AttnidError(f"{ck.root}: transformers cannot build {ck.adapter.family} from its "
                           f"config.json: {e}") from None
-
-
-def state_names(config: dict) -> tuple[str, ...]:
-    from attnid.whole.transforms.layout import state_names as names
-
-    return names(config)
 
 
 def required_weights(lay: Layout) -> list[str]:

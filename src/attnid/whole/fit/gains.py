@@ -1,4 +1,4 @@
-"""Whether a changed norm gain explains a break (docs/theory.md §13.21): blame in checkpoint
+"""Whether a changed norm gain explains a break (docs/theory.md §13.22): blame in checkpoint
 terms names the norm's tensor, not the reader where the break first shows.
 
 A norm ``y = g * z (+ b)`` is read by linear maps ``W``; changing ``g -> g * s`` without the
