@@ -325,6 +325,9 @@ BROKEN = {  # name: (kind, rewrite, (layer, tensor, words of the reason or None)
         fold(t, "qwen2"), rotate(t, "qwen2", random_rotation(D, 2)), rotate_values(t, "qwen2", 1, 4),
         change_gain(t, "model.layers.1.input_layernorm.weight", 2.0)),
         (1, "model.layers.1.input_layernorm.weight", "gain changed")),
+    "final-norm-gain-changed-after-R1": ("llama", lambda t: (
+        fold(t, "llama"), rotate(t, "llama", random_rotation(D, 1)), change_gain(t, "model.norm.weight")),
+        (None, "model.norm.weight", "gain changed")),
 }
 
 
