@@ -57,7 +57,7 @@ def column_fit(X: torch.Tensor, Y: torch.Tensor, scalable: torch.Tensor | None =
 
 
 def _mlp(ma: ModelTensors, mb: ModelTensors, layer: int, nm: Norm, Q: torch.Tensor | None,
-         perm: torch.Tensor | None, dtype: torch.dtype) -> float:
+         perm: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     lay = ma.layout
     up = lay.mlps[layer][0]
     gate = lay.gates[layer] if lay.gates else None
