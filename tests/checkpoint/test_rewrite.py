@@ -113,7 +113,9 @@ def test_sharded_half_precision(dtype, tmp_path, capsys):
 REFUSED = {  # config, flags, words of the one error line
     "post-ln-rotation": ("minilm", ["--rotate-residual", "random"], "post-LN"),
     "tied-non-uniform-final-gain": (dict(FAMILIES["llama-gqa"], tie_word_embeddings=True),
-                                    ["--rotate-residual", "random"], "not uniform"),
+                                    ["--rotate-residual", "random"], "not uniform (spread"),
+    "tied-non-uniform-final-gain-names-the-flag": (dict(FAMILIES["llama-gqa"], tie_word_embeddings=True),
+                                                   ["--rotate-residual", "random"], "give --untie"),
     "gelu-scaling": (FAMILIES["neox-parallel"], ["--scale-mlp"], "homogeneous"),
     "qk-norm-planes": (dict(SMALL, model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=8,
                             num_key_value_heads=2),
@@ -130,6 +132,7 @@ REFUSED = {  # config, flags, words of the one error line
 def test_no_symmetry_is_refused_in_one_line(name, tmp_path, capsys, minilm):
     config, flags, words = REFUSED[name]
     src = minilm if config == "minilm" else make(config, tmp_path, "m")
+    capsys.readouterr()  # transformers' progress bars while the input was made
     code, _, err = run(capsys, src, tmp_path / "out", *flags)
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error:") and words in lines[0], err

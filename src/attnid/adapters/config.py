@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -69,6 +69,33 @@ def load_config(model: str) -> tuple[str, dict[str, Any]]:
         return name, _object(json.loads(text), f"bundled config {name}")
     raise AttnidError(f"no config at {model!r} and no bundled model of that name "
                       f"(bundled: {', '.join(bundled())})")
+
+
+def with_head(config: Mapping[str, Any], tensor_names: Iterable[str]) -> Mapping[str, Any]:
+    """A config without ``architectures`` (``null``: what a GGUF conversion writes) given the
+    causal-LM class of its ``model_type`` when the checkpoint has a language-model head: an
+    ``lm_head.weight`` (GPT-NeoX: ``embed_out.weight``) among its tensors, or
+    ``tie_word_embeddings: true``. Any other config is returned as it is (a bare model stays one).
+
+    >>> with_head({"model_type": "llama"}, ["lm_head.weight"])["architectures"]
+    ['LlamaForCausalLM']
+    >>> "architectures" in with_head({"model_type": "llama"}, ["embed_tokens.weight"])
+    False
+    """
+    if config.get("architectures") or not isinstance(config.get("model_type"), str):
+        return config
+    head = config.get("tie_word_embeddings") is True or any(
+        n.split(".")[-2:-1] in (["lm_head"], ["embed_out"]) for n in tensor_names)
+    if not head:
+        return config
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:  # without transformers nothing builds the class anyway
+        return config
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config["model_type"])
+    if cls is None:
+        return config
+    return FileConfig({**config, "architectures": [cls]}, source_of(config))
 
 
 def _object(data: Any, source: str) -> FileConfig:

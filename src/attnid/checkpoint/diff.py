@@ -9,7 +9,9 @@ A (Procrustes for the rotation, linear assignment for the permutations, least sq
 group) and compares every gauge-fixed piece at the dtype's rounding, one layer at a time (any
 size, sharded safetensors included). B is *certified* when every residual is at rounding;
 otherwise the first piece that breaks, in forward order, is named by its layer, head and the
-checkpoint tensor to blame. Per layer: the stored distance, the distance after the fitted
+checkpoint tensor to blame. A tied model and an untied one (QuaRot and SpinQuant untie a tied
+model to rotate its stream) are compared as two untied models, the tied head being its token
+table (docs/theory.md §13.21). Per layer: the stored distance, the distance after the fitted
 element, and the share of the difference the rotation and the permutations explain.
 
 `compare_layers` (the attention group of one layer, `attnid.symmetry.invariants`) is re-exported.
@@ -22,7 +24,7 @@ from typing import Any
 import torch
 
 from attnid.checkpoint.load import Checkpoint, open_checkpoint
-from attnid.checkpoint.units import Units, open_units
+from attnid.checkpoint.units import Units, layout_of_config, open_units
 from attnid.errors import AttnidError
 from attnid.progress import Progress
 from attnid.symmetry.invariants import compare_layers as compare_layers
@@ -77,7 +79,11 @@ def diff(model_a: str | Checkpoint, model_b: str | Checkpoint, *, probes: int | 
         raise AttnidError(f"{a.path} and {b.path} are not the same architecture "
                           f"({a.adapter.family} {a.specs[0].describe()} x{a.n_layers} vs "
                           f"{b.adapter.family} {b.specs[0].describe()} x{b.n_layers})")
+    tied_a, tied_b = (layout_of_config(x).tied for x in (a, b))
+    untie = tied_a != tied_b  # compared as two untied models
     names_a, names_b = {_rel(a, n) for n in a.index}, {_rel(b, n) for n in b.index}
+    if untie:  # the untied one's head is the tied one's token table
+        names_a, names_b = names_a - _heads(a, b), names_b - _heads(a, b)
     if names_a != names_b:
         extra = sorted(names_a ^ names_b)[:3]
         raise AttnidError(f"{a.path} and {b.path} hold different tensors (e.g. {', '.join(extra)})")
@@ -87,7 +93,7 @@ def diff(model_a: str | Checkpoint, model_b: str | Checkpoint, *, probes: int | 
             raise AttnidError(f"{n} has shape {list(sa)} in {a.path} but {list(sb)} in {b.path}")
     if probes is not None and probes < 1:
         raise AttnidError(f"--probes must be a positive number of directions, got {probes}")
-    ua, ub = open_units(a), open_units(b)
+    ua, ub = open_units(a, untie=untie), open_units(b, untie=untie)
     if ua.layout != ub.layout:
         raise AttnidError(f"{a.path} and {b.path} are not the same architecture (tied vs untied?)")
     shown = progress if progress is not None else Progress(enabled=False)
@@ -139,6 +145,17 @@ def _layer_row(layer: int, r: UnitResult, raw: float, units: Units) -> dict[str,
             "permutation_share": _share(d["rotated"], d["permuted"], d["fixed"]),
             "worst_tensor": units.label(worst.tensor), "worst_invariant": worst.invariant,
             "worst_head": worst.head, "residual": worst.residual, "residuals": residuals}
+
+
+def _heads(a: Checkpoint, b: Checkpoint) -> set[str]:
+    """The head tensors either checkpoint stores (without the outer prefix)."""
+    out = set()
+    for ck in (a, b):
+        lay = layout_of_config(ck)
+        name = None if lay.unembed is None else ck.resolve(f"{lay.unembed.path}.weight")
+        if name is not None:
+            out.add(_rel(ck, name))
+    return out
 
 
 def _full(ck: Checkpoint, rel: str) -> str:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from attnid.adapters.base import Adapter, stored_shapes
-from attnid.adapters.config import load_config, model_path, source_of
+from attnid.adapters.config import load_config, model_path, source_of, with_head
 from attnid.adapters.registry import adapter_for
 from attnid.errors import AttnidError
 from attnid.io import DTYPES, TensorFile, TensorInfo, open_files, weight_prefix
@@ -139,6 +139,7 @@ def open_checkpoint(model: str | Path, *, purpose: str = "read") -> Checkpoint:
             raise AttnidError(f"{source_of(config)}: its sizes give attention tensors of {largest:.3g} "
                               f"elements ({s.describe()}), more than any checkpoint holds")
     index = open_files(root, files)
+    config = with_head(config, index)  # "architectures": null (GGUF): the head from the tensors
     where = _where(root, files, index)
     first = adapter.names(0, specs[0])[0]
     try:

@@ -15,7 +15,9 @@ checkpoint's dtype, shard by shard (`attnid.io.write_streaming`).
 
 What is no symmetry of the architecture is refused before any work, in one line: a residual
 rotation of a post-LN model (BERT), of a bare model, or of a tied model whose final gain is not
-uniform (fold it first: it cannot fold into a tied head); Q/K transforms under QK-norm; MLP
+uniform unless ``untie`` (QuaRot's and SpinQuant's way: the head becomes a tensor of its own,
+``lm_head.weight``, which takes the final gain while the token table rotates; the config says
+``tie_word_embeddings: false``; docs/theory.md §13.21); Q/K transforms under QK-norm; MLP
 scaling of GELU/SiLU MLPs. The output goes to a temporary sibling of OUT_DIR and is verified by
 `attnid diff` against the input (the whole-model invariants, every layer, at the dtype's
 rounding: certified) and, for checkpoints up to 2 GiB, end to end with transformers; only then
@@ -52,6 +54,7 @@ class Recipe:
     scale_mlp: bool = False
     permute_mlp: bool = False
     permute_heads: bool = False
+    untie: bool = False  # a tied head written as a tensor of its own
     seed: int = 0
 
     def any(self) -> bool:
@@ -80,6 +83,9 @@ def draw(units: Units, recipe: Recipe):
         if lay.final is not None and f"{lay.final.path}.weight" in units.to_ck:
             final = ck.tensor(units.to_ck[f"{lay.final.path}.weight"]).double() + lay.final.offset
         why = rotation_refusal(lay, final)
+        if why and lay.tied:
+            why += ("; give --untie to write a separate lm_head.weight that takes it (QuaRot's and "
+                    "SpinQuant's way)")
         if why:
             raise AttnidError(f"--rotate-residual: {why}")
         d = specs[0].d_model
@@ -126,16 +132,19 @@ def rewrite(in_dir: str | Path, out_dir: str | Path, recipe: Recipe, *, force: b
     start = time.perf_counter()
     if not recipe.any():
         raise AttnidError("nothing to do: give at least one of --fold-norms, --rotate-residual, "
-                          "--rotate-values, --qk-planes, --scale-mlp, --permute-mlp, --permute-heads")
+                          "--rotate-values, --qk-planes, --scale-mlp, --permute-mlp, --permute-heads, "
+                          "--untie")
     src, dst = check_out_dir(in_dir, out_dir, force)
     ck = open_checkpoint(src, purpose="rewrite")
-    units = open_units(ck)
+    units = open_units(ck, untie=recipe.untie)
     element = draw(units, recipe)
     shown = progress if progress is not None else Progress(enabled=False)
     from attnid.checkpoint.diff import diff  # the verification: the whole-model invariants
 
     with staged(dst, ck.root, {f.path.name for f in ck.files}) as tmp:
         _write(ck, units, recipe, element, tmp, shown)
+        if units.untied:
+            _untie_files(ck, units, tmp)
         shown.line("verifying: attnid diff against the input")
         check = diff(ck, open_checkpoint(tmp, purpose="rewrite"))
         if not check["certified"]:
@@ -147,7 +156,7 @@ def rewrite(in_dir: str | Path, out_dir: str | Path, recipe: Recipe, *, force: b
     worst = max([row["residual"] for row in check["layers"]] + [check["other"]["residual"]])
     return {"architecture": ck.adapter.family, "layers": ck.n_layers,
             "operations": {k: v for k, v in asdict(recipe).items() if k != "seed"}, "seed": recipe.seed,
-            "certified": True, "max_residual": worst, "tolerance": check["tolerance"],
+            "untied": units.untied, "certified": True, "max_residual": worst, "tolerance": check["tolerance"],
             "end_to_end_rel_diff": e2e, "seconds": time.perf_counter() - start, "out_dir": str(dst)}
 
 
@@ -158,7 +167,9 @@ def _write(ck: Checkpoint, units: Units, recipe: Recipe, element, tmp: Path, pro
     from attnid.whole.transforms.element import apply_element
     from attnid.whole.transforms.norms import fold_norm_gains
 
-    unit_of = {c: units.unit_of[s] for s, c in units.to_ck.items()}
+    out_of = {s: s if s == units.untied else c for s, c in units.to_ck.items()}  # the name written
+    src_of = {out_of[s]: c for s, c in units.to_ck.items()}  # written name -> the stored tensor read
+    unit_of = {out_of[s]: units.unit_of[s] for s in units.to_ck}
     left = {u: sum(1 for c in unit_of if unit_of[c] == u) for u in range(units.count)}
     cache: dict[int, dict[str, torch.Tensor]] = {}
 
@@ -170,7 +181,7 @@ def _write(ck: Checkpoint, units: Units, recipe: Recipe, element, tmp: Path, pro
         m = apply_element(m, element)
         own = set(units.names(u))
         progress.line(f"rewrote unit {u} of {units.count - 1}")
-        return {units.to_ck[n]: t for n, t in m.tensors.items() if n in own and t is not before.tensors[n]}
+        return {out_of[n]: t for n, t in m.tensors.items() if n in own and t is not before.tensors[n]}
 
     def produce(name: str) -> torch.Tensor:
         if name not in unit_of:
@@ -183,12 +194,32 @@ def _write(ck: Checkpoint, units: Units, recipe: Recipe, element, tmp: Path, pro
         if left[u] == 0:
             del cache[u]
         if new is None:
-            return ck.tensor(name)
-        return new.to(DTYPES[ck.info(name).dtype])
+            return ck.tensor(src_of[name])
+        return new.to(DTYPES[ck.info(src_of[name]).dtype])
 
     for f in ck.files:
-        names = sorted(f.names, key=lambda n: unit_of.get(n, -1))
-        entries = [(n, f.info(n).dtype, f.info(n).shape) for n in names]
+        names = list(f.names)
+        if units.untied and units.untied not in ck.index and ck.index[src_of[units.untied]] is f:
+            # the new head, beside its table
+            names.append(units.untied)
+        names.sort(key=lambda n: unit_of.get(n, -1))
+        entries = [(n, f.info(src_of.get(n, n)).dtype, f.info(src_of.get(n, n)).shape) for n in names]
         write_streaming(tmp / f.path.name, entries, produce, f.metadata)
 
 
+
+
+def _untie_files(ck: Checkpoint, units: Units, tmp: Path) -> None:
+    """The written config says ``tie_word_embeddings: false``; a sharded checkpoint's index
+    names the shard holding the new head (beside its table)."""
+    import json
+
+    config = json.loads((tmp / "config.json").read_text())
+    config["tie_word_embeddings"] = False
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    index = tmp / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        table = units.to_ck[units.untied]
+        data["weight_map"][units.untied] = ck.index[table].path.name
+        index.write_text(json.dumps(data, indent=2) + "\n")

@@ -6,7 +6,10 @@ compared holding one unit (a layer) at a time.
 
 Names: the transformers class's ``state_dict`` names (its class built on the meta device),
 each mapped to the checkpoint's own name (`attnid.checkpoint.load.Checkpoint.resolve`: an
-outer prefix dropped, GPT-NeoX's ``embed_out``). A tied head stored once is simply absent.
+outer prefix dropped, GPT-NeoX's ``embed_out``). A tied head stored once is simply absent,
+unless the checkpoint is opened *untied* (`open_units` ``untie=True``): then it is read as the
+architecture with ``tie_word_embeddings: false``, whose head reads the token table's bytes
+(docs/theory.md §13.21: the function is the same; the final gain becomes a foldable norm).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attnid.adapters.config import source_of
+from attnid.adapters.config import FileConfig, source_of
 from attnid.checkpoint.load import Checkpoint
 from attnid.errors import AttnidError, require
 from attnid.whole.fit.source import assign_units, unit_extras
@@ -31,10 +34,8 @@ class Units:
     layout: Layout
     to_ck: dict[str, str]  # state_dict name -> checkpoint name (only those the checkpoint holds)
     unit_of: dict[str, int]  # state_dict name -> 0 tables, 1..L layer, L + 1 the rest
-
-    @property
-    def config(self) -> dict:
-        return self.ck.config
+    config: dict  # the checkpoint's config (untied: with tie_word_embeddings false)
+    untied: str | None = None  # the head's state_dict name when a tied head is read untied
 
     @property
     def count(self) -> int:
@@ -57,7 +58,7 @@ class Units:
         return self.ck.dtype()
 
     def label(self, name: str) -> str:
-        return self.to_ck.get(name, name)
+        return name if name == self.untied else self.to_ck.get(name, name)
 
     def shape(self, name: str) -> tuple[int, ...] | None:
         return None if name not in self.to_ck else self.ck.info(self.to_ck[name]).shape
@@ -67,27 +68,42 @@ class Units:
         return self.ck.rows(self.to_ck[name], start, stop)
 
 
-def open_units(ck: Checkpoint) -> Units:
-    """The unit structure of an opened checkpoint (needs transformers for the layout)."""
-    require("transformers", "hf")
-    from attnid.whole.transforms.layout import layout_for, state_names
+def open_units(ck: Checkpoint, *, untie: bool = False) -> Units:
+    """The unit structure of an opened checkpoint (needs transformers for the layout);
+    ``untie``: a tied head is read as a head of its own holding the token table (see the
+    module)."""
+    from attnid.whole.transforms.layout import state_names
 
-    try:
-        lay = layout_for(ck.config)
-    except AttnidError:
-        raise
-    except Exception as e:  # transformers cannot build the class from this config
-        raise AttnidError(f"{ck.root}: transformers cannot build {ck.adapter.family} from its "
-                          f"config.json: {e}") from None
-    states = state_names(ck.config)
+    lay, config = layout_of_config(ck), ck.config
+    head = None
+    if untie and lay.tied and lay.unembed is not None:
+        config = FileConfig({**ck.config, "tie_word_embeddings": False}, source_of(ck.config))
+        lay, head = layout_of_config(ck, config), f"{lay.unembed.path}.weight"
+    states = state_names(config)
     to_ck = {s: c for s in states if (c := ck.resolve(s)) is not None}
+    if head is not None and f"{lay.tables[0]}.weight" in to_ck:
+        to_ck.setdefault(head, to_ck[f"{lay.tables[0]}.weight"])
     missing = [n for n in required_weights(lay) if n in states and n not in to_ck]
     if missing:  # every later step reads these: refused here, in one line, before any work
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         where = ck.files[0].path if len(ck.files) == 1 else ck.root / "model.safetensors.index.json"
         raise AttnidError(f"{where}: no tensor {missing[0]}{more}, which {ck.adapter.family} as "
                           f"{source_of(ck.config)} describes it needs")
-    return Units(ck, lay, to_ck, assign_units(lay, to_ck))
+    return Units(ck, lay, to_ck, assign_units(lay, to_ck), config, head)
+
+
+def layout_of_config(ck: Checkpoint, config: dict | None = None) -> Layout:
+    """The layout of the checkpoint's architecture (``config``: its config, by default)."""
+    require("transformers", "hf")
+    from attnid.whole.transforms.layout import layout_for
+
+    try:
+        return layout_for(ck.config if config is None else config)
+    except AttnidError:
+        raise
+    except Exception as e:  # transformers cannot build the class from this config
+        raise AttnidError(f"{ck.root}: transformers cannot build {ck.adapter.family} from its "
+                          f"config.json: {e}") from None
 
 
 def required_weights(lay: Layout) -> list[str]:

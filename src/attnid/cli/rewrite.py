@@ -29,6 +29,11 @@ def rewrite_cmd(
         "--permute-mlp", help="Permute each MLP's neurons at random.")] = False,
     permute_heads: Annotated[bool, typer.Option(
         "--permute-heads", help="Permute key/value groups and the heads within each at random.")] = False,
+    untie: Annotated[bool, typer.Option(
+        "--untie", help="Write a tied model's head as a tensor of its own (lm_head.weight; "
+                        "tie_word_embeddings false), which takes the final norm's gain: what "
+                        "--rotate-residual needs when that gain is not uniform (QuaRot, "
+                        "SpinQuant).")] = False,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random parts.")] = 0,
     force: Annotated[bool, typer.Option("--force", help="Replace a non-empty OUT_DIR.")] = False,
     json_out: Json = False,
@@ -44,14 +49,17 @@ def rewrite_cmd(
 
     recipe = Recipe(fold_norms=fold_norms, rotate_residual=rotate_residual, rotate_values=rotate_values,
                     qk_planes=qk_planes, scale_mlp=scale_mlp, permute_mlp=permute_mlp,
-                    permute_heads=permute_heads, seed=seed)
+                    permute_heads=permute_heads, untie=untie, seed=seed)
     r = rewrite(in_dir, out_dir, recipe, force=force, progress=sized_progress(in_dir, above=2**28))
     if json_out:
         emit_json(r)
         return
     done = ", ".join(k.replace("_", " ") + (f" ({v})" if isinstance(v, str) else "")
-                     for k, v in r["operations"].items() if v)
+                     for k, v in r["operations"].items() if v and k != "untie")
     e2e = r["end_to_end_rel_diff"]
+    if r["untied"]:
+        typer.echo(f"untied: {r['untied']} written as a tensor of its own (the token table's copy, "
+                   f"tie_word_embeddings false)")
     typer.echo(f"{r['architecture']}: {r['layers']} layers -> {out_dir}\n"
                f"  {done} (seed {r['seed']})\n"
                f"  certified by attnid diff: every residual <= {r['max_residual']:.2e} "

@@ -392,36 +392,65 @@ def _completed(f: _Fitter, E: RowPair, U: RowPair, Q: torch.Tensor, ln: bool) ->
 
 def _diagnose(f: _Fitter, ma: ModelTensors, mb: ModelTensors, u: int, Q: torch.Tensor | None,
               r: UnitResult) -> UnitResult:
-    """The first break of a unit, when its readers agree once their norm is left out of both
-    models (readers compared as stored), is the norm's fault: its gain or bias changed without
-    the readers making up for it, or (same gain, B rotated) the gain was not folded into the
-    readers before the rotation (a non-uniform gain does not commute with it)."""
+    """The first break of a unit, named by a norm's tensor when the norm explains it: when its
+    readers agree once their norm is left out of both models (readers compared as stored), its
+    gain or bias changed without the readers making up for it, or (same gain, B rotated) the
+    gain was not folded into the readers before the rotation (a non-uniform gain does not
+    commute with it); when one rescaling of the readers' inputs takes B's readers to A's
+    (`attnid.whole.fit.gains`), its gain changed (B's gain folded or not)."""
     k = next((k for k, x in enumerate(r.residuals) if x.residual > f.tol), None)
     if k is None or u == 0:
         return r
-    plain = f.compare(ma, mb, u, Q, with_fixed=False, ignore_norm=True)
     x = r.residuals[k]
-    nth = sum(y.invariant == x.invariant for y in r.residuals[:k])  # the same piece, left out norm
-    same = [y for y in plain.residuals if y.invariant == x.invariant]
-    if nth >= len(same) or same[nth].residual > f.tol:
-        return r
     nm = _norm_of(f, ma, u, x.tensor)
     if nm is None:
         return r
+    found = _stored_norm(f, ma, mb, u, Q, r, k, nm)
+    if found is None and _gain_repairs(f, ma, mb, u, Q, r, k, nm):
+        found = (f"{nm.path}.weight", "one rescaling of the readers' inputs repairs it: the norm's "
+                                      "gain changed and its readers do not make up for it")
+    if found is not None:
+        r.residuals[k] = Residual(found[0], x.invariant, x.residual, x.head, found[1])
+    return r
+
+
+def _gain_repairs(f: _Fitter, ma: ModelTensors, mb: ModelTensors, u: int, Q: torch.Tensor | None,
+                  r: UnitResult, k: int, nm) -> bool:
+    """Whether B with ``nm``'s gain refitted (`attnid.whole.fit.gains.gain_fit`) passes every
+    piece of the unit up to the break ``k`` (at ``GAIN_TOLERANCE`` times the rounding level)."""
+    from attnid.whole.fit.gains import gain_fit
+
+    layer = u - 1 if u <= f.L else None
+    fixed = gain_fit(ma, mb, layer, nm, Q, None if r.element is None else r.element.neurons)
+    if fixed is None:
+        return False
+    again = f.compare(ma, fixed, u, Q, with_fixed=False).residuals
+    return len(again) == len(r.residuals) and all(x.residual <= GAIN_TOLERANCE * f.tol for x in again[:k + 1])
+
+
+GAIN_TOLERANCE = 10  # the repaired pieces may reach 10 times the rounding level (a fitted gain)
+
+
+def _stored_norm(f: _Fitter, ma: ModelTensors, mb: ModelTensors, u: int, Q: torch.Tensor | None,
+                 r: UnitResult, k: int, nm) -> tuple[str, str] | None:
+    """(tensor, reason) when the readers as stored agree and the norm's stored gain or bias
+    does not (see `_diagnose`), else None."""
+    x = r.residuals[k]
+    plain = f.compare(ma, mb, u, Q, with_fixed=False, ignore_norm=True)
+    nth = sum(y.invariant == x.invariant for y in r.residuals[:k])  # the same piece, left out norm
+    same = [y for y in plain.residuals if y.invariant == x.invariant]
+    if nth >= len(same) or same[nth].residual > f.tol:
+        return None
     ga, gb, ba, bb = ma.gain(nm), mb.gain(nm), ma.norm_bias(nm), mb.norm_bias(nm)
     differ = lambda p, q: float((p - q).norm()) > f.tol * max(float(p.norm()), 1e-300)  # noqa: E731
     if differ(ga, gb):
-        blame, why = f"{nm.path}.weight", "the norm's gain changed and its readers do not make up for it"
-    elif ba is not None and bb is not None and differ(ba, bb):
-        blame, why = f"{nm.path}.bias", ("the norm's bias changed and its readers' biases do not make "
-                                         "up for it")
-    elif Q is not None:
-        blame, why = f"{nm.path}.weight", ("the norm's gain was not folded into its readers before the "
-                                          "rotation (a non-uniform gain does not commute with it)")
-    else:
-        return r
-    r.residuals[k] = Residual(blame, x.invariant, x.residual, x.head, why)
-    return r
+        return f"{nm.path}.weight", "the norm's gain changed and its readers do not make up for it"
+    if ba is not None and bb is not None and differ(ba, bb):
+        return f"{nm.path}.bias", "the norm's bias changed and its readers' biases do not make up for it"
+    if Q is not None:
+        return f"{nm.path}.weight", ("the norm's gain was not folded into its readers before the "
+                                     "rotation (a non-uniform gain does not commute with it)")
+    return None
 
 
 def _norm_of(f: _Fitter, m: ModelTensors, u: int, tensor: str):
