@@ -148,8 +148,8 @@ def _train_summary():
 
 
 def _rewrite_result():
-    return {"operations": {}, "untied": False, "architecture": "X", "layers": 1, "seed": 0, "max_residual": 0.0,
-            "tolerance": 1e-7, "end_to_end_rel_diff": None, "seconds": 0.0}
+    return {"operations": {}, "untied": False, "architecture": "X", "layers": 1, "seed": 0,
+            "max_residual": 0.0, "tolerance": 1e-7, "end_to_end_rel_diff": None, "seconds": 0.0}
 
 
 def _barrier_result():
