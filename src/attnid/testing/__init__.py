@@ -9,6 +9,15 @@ depend only on the relative position ``m - n`` (docs/theory.md §5.1).
 
     from attnid.testing import assert_function_preserved
     assert_function_preserved(old_layer, new_layer, x)   # raises AssertionError with the error
+
+The shared pieces of the test suite live here too, loaded when first named (so that
+``import attnid.testing`` loads no transformers): the tiny Hugging Face models
+(`attnid.testing.models`: ``tiny_model``, ``random_hf_model``, ``save_random``,
+``model_function``, ``random_element``), the catalogue of tiny configs and transforms
+(`attnid.testing.catalogue`: ``WHOLE_CASES``, ``TRANSFORM_FAMILIES``, ``TRANSFORM_CASES``,
+``TINY_LLAMA``) and
+the checks on files and refusals (`attnid.testing.files`: ``fingerprint``,
+``assert_one_error``). Test modules import these, never each other.
 """
 
 from __future__ import annotations
@@ -226,3 +235,19 @@ def assert_rope_relative(spec: AttentionSpec, *, rtol: float = 1e-12, seed: int 
         raise AssertionError(f"RoPE scores depend on absolute position: error {err:.3e} > {rtol:.0e} "
                              f"({spec.describe()})")
     return err
+
+
+_LAZY = {"attnid.testing.models": ("tiny_model", "random_hf_model", "save_random", "model_function",
+                                   "random_element"),
+         "attnid.testing.catalogue": ("WHOLE_CASES", "TRANSFORM_FAMILIES", "TRANSFORM_CASES",
+                                      "TINY_LLAMA"),
+         "attnid.testing.files": ("fingerprint", "assert_one_error")}
+
+
+def __getattr__(name: str) -> object:
+    import importlib
+
+    for module, names in _LAZY.items():
+        if name in names:
+            return getattr(importlib.import_module(module), name)
+    raise AttributeError(f"module 'attnid.testing' has no attribute {name!r}")
