@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from attnid import Attention, AttentionSpec, count, jacobian_rank, randomize_
 from attnid.arbiter.compare import verify
-from grid import BIASES, grid
+from attnid.testing.specs import BIASES, grid
 
 GRID = grid()
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from variants import IDS, ORBIT_GRID, VARIANTS
 
 from attnid import Attention, AttentionSpec, count, jacobian_rank, randomize_
 from attnid.arbiter.rank import default_forward, forward_call
 from attnid.symmetry import AttentionWeights, project, tangent_basis
+from attnid.testing.specs import ORBIT_GRID, VARIANTS
+from attnid.testing.specs import VARIANT_IDS as IDS
 
 
 @pytest.mark.parametrize("spec", ORBIT_GRID, ids=[s.describe() for s in ORBIT_GRID])

@@ -17,7 +17,9 @@ The shared pieces of the test suite live here too, loaded when first named (so t
 (`attnid.testing.catalogue`: ``WHOLE_CASES``, ``TRANSFORM_FAMILIES``, ``TRANSFORM_CASES``,
 ``TINY_LLAMA``) and
 the checks on files and refusals (`attnid.testing.files`: ``fingerprint``,
-``assert_one_error``). Test modules import these, never each other.
+``assert_one_error``); the attention variants the counts and the symmetry toolkit are checked
+on are in `attnid.testing.specs` (``grid``, ``VARIANTS``, ``ORBIT_GRID``). Test modules import
+these, never each other.
 """
 
 from __future__ import annotations
