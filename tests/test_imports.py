@@ -195,3 +195,27 @@ def test_the_paper_commands_reach_the_cli():
     from attnid.cli import _command
 
     assert {"reproduce", "experiment"} <= set(_command().commands)
+
+
+def _is_testing(m: str) -> bool:
+    return m == "attnid.testing" or m.startswith("attnid.testing.")
+
+
+def _importers_of_testing(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(m for m, deps in graph.items() if not _is_testing(m) and any(map(_is_testing, deps)))
+
+
+def test_no_library_module_imports_the_test_tools():
+    # tolerances, relative error and polar live in attnid.numerics; attnid.testing (test tools
+    # for tests, scripts and adapter authors) re-exports them and is imported by no module
+    users = {m for m, deps in GRAPH.items() if "attnid.numerics" in deps}
+    assert {"attnid.testing", "attnid.checkpoint.diff"} <= users
+    hits = _importers_of_testing(GRAPH)
+    assert not hits, "library modules import attnid.testing: " + ", ".join(hits)
+
+
+def test_the_test_tools_check_can_fail():
+    planted = {m: set(d) for m, d in GRAPH.items()}
+    planted["attnid.checkpoint.canonicalize"].add("attnid.testing")
+    planted["attnid.whole.fit.fitter"].add("attnid.testing.models")
+    assert _importers_of_testing(planted) == ["attnid.checkpoint.canonicalize", "attnid.whole.fit.fitter"]

@@ -19,6 +19,7 @@ from torch import nn
 
 from attnid import Attention, AttentionSpec, AttnidError
 from attnid.monitor import Corrector, Monitor
+from attnid.testing import TINY_LLAMA, random_hf_model
 
 SPEC = AttentionSpec(d_model=16, n_heads=4, n_kv_heads=2, bias="qkvo")
 STEPS = 3
@@ -36,11 +37,8 @@ class TwoLayers(nn.Module):
 
 
 def _llama() -> nn.Module:
-    transformers = pytest.importorskip("transformers")
-    conf = transformers.LlamaConfig(hidden_size=16, num_attention_heads=4, num_key_value_heads=2,
-                                    num_hidden_layers=2, intermediate_size=32, vocab_size=32,
-                                    attention_bias=True)
-    return transformers.LlamaForCausalLM(conf)
+    pytest.importorskip("transformers")
+    return random_hf_model(dict(TINY_LLAMA, hidden_size=16, intermediate_size=32, vocab_size=32))
 
 
 # attnid's own layers, and a Hugging Face model (read through its adapter)

@@ -16,10 +16,26 @@ pytest.importorskip("transformers")
 MODELS = ["Phi-3-mini-4k-instruct", "OLMo-2-1124-7B", "gpt2"]
 
 
+_REPORTS: dict[tuple[str, bool], dict] = {}
+
+
 @pytest.fixture
 def few(monkeypatch):
-    """`report --all` over three bundled models (all twenty take about a minute)."""
-    monkeypatch.setattr("attnid.report.models.bundled", lambda: MODELS)
+    """`report --all` over three bundled models (all twenty take about a minute), each model's
+    report computed once for this module (the tests compare its tables, not its arithmetic)."""
+    import copy
+
+    import attnid.report.models as M
+
+    real = M.model_report
+
+    def once(model: str, *, with_params: bool = True) -> dict:
+        if (model, with_params) not in _REPORTS:
+            _REPORTS[model, with_params] = real(model, with_params=with_params)
+        return copy.deepcopy(_REPORTS[model, with_params])
+
+    monkeypatch.setattr(M, "bundled", lambda: MODELS)
+    monkeypatch.setattr(M, "model_report", once)
 
 
 def lines(text: str) -> list[str]:

@@ -79,6 +79,7 @@ def test_report_json_contract(capsys, tmp_path):
         assert data["model_params"] == 494_032_768
 
 
+@pytest.mark.slow  # every bundled model; tests/test_report_all.py runs --all on three, fast
 def test_report_all_table(capsys):
     assert main(["report", "--all", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)

@@ -100,6 +100,7 @@ for name in bundled():
 """
 
 
+@pytest.mark.slow  # every bundled config in a fresh interpreter; the rule itself is tested fast above
 def test_tiny_models_build_without_token_id_warnings():
     """Reduced and tiny configs keep their family's bos/eos ids (GPT-2: 50256) beyond a tiny
     vocabulary; transformers warns about each unless attnid gives them as None. A fresh

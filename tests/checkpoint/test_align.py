@@ -16,8 +16,7 @@ import torch
 pytest.importorskip("transformers")
 
 from attnid.cli import main
-
-from .test_fuzz import assert_one_error, fingerprint
+from attnid.testing.files import assert_one_error, fingerprint
 
 LLAMA = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=32, num_attention_heads=4,
              num_key_value_heads=2, num_hidden_layers=2, intermediate_size=48, vocab_size=64,

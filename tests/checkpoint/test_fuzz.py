@@ -12,7 +12,6 @@ throw random values at header fields, config fields and bytes (a larger run unde
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -27,6 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from attnid.cli import main
+from attnid.testing.files import assert_one_error, fingerprint
 
 INDEX = "model.safetensors.index.json"
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32,
@@ -397,31 +397,10 @@ def broken(sources, tmp_path_factory) -> Callable[[Mutation, str], tuple[Path, s
     return get
 
 
-def fingerprint(d: Path) -> dict[str, object]:
-    """Every file under ``d``: sha256 when small, else (size, mtime) (MiniLM's 90 MB hashed
-    for every case would dominate the run; a write changes the mtime)."""
-    out: dict[str, object] = {}
-    for p in sorted(d.rglob("*")):
-        if p.is_file():
-            st = p.stat()
-            out[str(p.relative_to(d))] = (hashlib.sha256(p.read_bytes()).hexdigest()
-                                          if st.st_size < 2**20 else (st.st_size, st.st_mtime_ns))
-    return out
-
-
 def argv(cmd: str, bad: Path, good: Path, out: Path) -> list[str]:
     return {"audit": ["audit", str(bad)], "diff-b": ["diff", str(good), str(bad)],
             "diff-a": ["diff", str(bad), str(good)],
             "canonicalize": ["canonicalize", str(bad), str(out)]}[cmd]
-
-
-def assert_one_error(code: int, err: str, file: str, words: list[str]) -> str:
-    lines = err.strip().splitlines()
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), (code, err)
-    assert file in lines[0], f"the error does not name {file}: {lines[0]}"
-    for w in words:
-        assert w in lines[0], f"the error does not name {w!r}: {lines[0]}"
-    return lines[0]
 
 
 @pytest.mark.parametrize(("mutation", "src", "cmd"), CASES)

@@ -25,6 +25,7 @@ import torch
 import transformers
 
 from attnid.monitor import Corrector, Monitor
+from attnid.testing import TINY_LLAMA, random_hf_model
 
 STEPS = 3
 EPS = 1e-3  # AdamW's eps: large enough that its step is smooth in the gradient (see run)
@@ -35,11 +36,7 @@ ZERO3 = ("zero3", "zero3-project", "zero3-persistent-project", "zero3-rebalance2
 
 
 def tiny_llama() -> transformers.LlamaForCausalLM:
-    conf = transformers.LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-                                    num_hidden_layers=2, intermediate_size=64, vocab_size=64,
-                                    attention_bias=True)
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(conf)
+    return random_hf_model(TINY_LLAMA, seed=0)
 
 
 def batch(step: int) -> torch.Tensor:

@@ -13,6 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 from attnid.errors import AttnidError  # noqa: E402
 from attnid.integrations.transformers import AttnidCallback  # noqa: E402
+from attnid.testing import TINY_LLAMA, random_hf_model  # noqa: E402
 
 
 class _Spy(transformers.TrainerCallback):
@@ -32,11 +33,7 @@ def _args(out: Path, steps: int, **kw) -> transformers.TrainingArguments:
 
 
 def _llama():
-    conf = transformers.LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-                                    num_hidden_layers=2, intermediate_size=64, vocab_size=64,
-                                    attention_bias=True)
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(conf)
+    return random_hf_model(TINY_LLAMA, seed=0)
 
 
 class _Tokens(torch.utils.data.Dataset):

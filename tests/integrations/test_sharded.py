@@ -27,7 +27,7 @@ def _load_runner():
 
 sharded = _load_runner()
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # two processes: both cores
 HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 KEYS = ("rho_qk", "rho_vo", "beta_qk", "beta_vo", "drift_qk", "drift_vo", "update_norm")
 

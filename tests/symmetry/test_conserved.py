@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from variants import IDS, VARIANTS
 
 from attnid import Attention, AttentionSpec, randomize_
 from attnid.arbiter.rank import default_forward, forward_call
 from attnid.symmetry import SIDES, AttentionWeights, Metrics, metrics
+from attnid.testing.specs import VARIANT_IDS as IDS
+from attnid.testing.specs import VARIANTS
 
 
 def sgd_step(spec: AttentionSpec, lr: float) -> Metrics:

@@ -6,12 +6,13 @@ import copy
 
 import pytest
 import torch
-from variants import IDS, ORBIT_GRID, VARIANTS
 
 from attnid import Attention, AttentionSpec, AttnidError, randomize_
 from attnid.symmetry import AttentionWeights, Gauge, apply_gauge, metrics, random_gauge, rebalance
 from attnid.symmetry.rebalance import balance_pair
 from attnid.testing import assert_function_preserved, assert_gauge_invariant, relative_error
+from attnid.testing.specs import ORBIT_GRID, VARIANTS
+from attnid.testing.specs import VARIANT_IDS as IDS
 
 
 def _setup(spec: AttentionSpec, dtype=torch.float64) -> tuple[AttentionWeights, torch.Tensor]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from variants import IDS, VARIANTS
 
 from attnid import Attention, AttentionSpec, randomize_
 from attnid.symmetry import AttentionWeights, metrics, project
@@ -15,6 +14,8 @@ from attnid.symmetry.spectra import (
     smallest_after_rank_one,
     smallest_eigenvalues,
 )
+from attnid.testing.specs import VARIANT_IDS as IDS
+from attnid.testing.specs import VARIANTS
 from attnid.weights import grams
 
 TOL = {torch.float64: 1e-11, torch.float32: 2e-6}

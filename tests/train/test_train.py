@@ -131,6 +131,8 @@ def test_resume_without_checkpoint_is_a_clean_error(tmp_path, capsys):
     assert code == 2 and capsys.readouterr().err.startswith("error: nothing to resume")
 
 
+@pytest.mark.slow
+@pytest.mark.serial  # two processes: both cores
 def test_ddp_two_processes_stay_in_sync(tmp_path):
     out = tmp_path / "ddp"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

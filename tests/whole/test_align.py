@@ -14,15 +14,14 @@ from attnid.errors import AttnidError
 from attnid.rope import project_commutant
 from attnid.symmetry.gauge import Gauge, apply_gauge
 from attnid.testing import TOLERANCE
+from attnid.testing.catalogue import TRANSFORM_FAMILIES as FAMILIES
+from attnid.testing.models import model_function as function
+from attnid.testing.models import random_element as element
 from attnid.whole import transforms as T
 from attnid.whole.align import GROUPS, align
 from attnid.whole.align.gauges import objective, pair_fit, scalar_fit
 from attnid.whole.check import tiny_model
 from attnid.whole.transforms.permutation import residual_permutation
-
-from .test_fit import element
-from .test_rewrites import FAMILIES
-from .test_whole_transforms import function
 
 
 def gen(seed):

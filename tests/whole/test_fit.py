@@ -10,47 +10,20 @@ import torch
 
 pytest.importorskip("transformers")
 
+from attnid.testing.catalogue import TRANSFORM_CASES as CASES_T
+from attnid.testing.catalogue import TRANSFORM_FAMILIES as FAMILIES
+from attnid.testing.models import random_element as element
 from attnid.whole import transforms as T
 from attnid.whole.check import tiny_model
 from attnid.whole.fit import TensorSource, fit
 from attnid.whole.transforms.orthogonal import (
-    random_commutant,
-    random_head_permutation,
     random_orthogonal,
     random_rotation_fixing_ones,
 )
-from attnid.whole.transforms.residual import rotation_refusal
-
-from .test_rewrites import FAMILIES
-from .test_whole_transforms import CASES_T
 
 
 def gen(seed):
     return torch.Generator().manual_seed(seed)
-
-
-def element(model) -> T.GroupElement:
-    """A random element with every part the layout allows."""
-    mt = T.ModelTensors.of(model)
-    lay = mt.layout
-    layers = []
-    for i in range(len(lay.layers)):
-        s = mt.spec(i)
-        f = mt.weight(lay.mlps[i][1]).shape[1]
-        layers.append(T.LayerElement(
-            heads=random_head_permutation(s, gen(i)),
-            qk=None if s.qk_norm != "none" else random_commutant(s, gen(i)),
-            vo=torch.stack([random_orthogonal(s.v_head_dim, gen(10 + g)) for g in range(s.n_kv_heads)]),
-            neurons=torch.randperm(f, generator=gen(i)),
-            mlp=None if lay.mlp == "other" else torch.exp(torch.randn(f, generator=gen(i),
-                                                                      dtype=torch.float64))))
-    d = mt.spec(0).d_model
-    rot = None
-    if rotation_refusal(lay, mt.gain(lay.final) if lay.final else None) is None:
-        rot = random_rotation_fixing_ones(d, gen(3)) if lay.norm == "layer" else random_orthogonal(d, gen(3))
-    gains = {nm.path: torch.exp(torch.randn(d, generator=gen(7), dtype=torch.float64))
-             for nm in lay.norms if nm.absorb is None and nm.gain}
-    return T.GroupElement(rotation=rot, gains=gains, layers=tuple(layers))
 
 
 def residuals(f):

@@ -12,6 +12,8 @@ pytest.importorskip("transformers")
 
 from attnid.errors import AttnidError
 from attnid.testing import TOLERANCE
+from attnid.testing.catalogue import TRANSFORM_FAMILIES as FAMILIES
+from attnid.testing.models import model_function as function
 from attnid.whole import transforms as T
 from attnid.whole.check import tiny_model
 from attnid.whole.transforms.orthogonal import (
@@ -21,28 +23,6 @@ from attnid.whole.transforms.orthogonal import (
     random_orthogonal,
     random_rotation_fixing_ones,
 )
-
-from .test_whole_count import CASES
-from .test_whole_transforms import function
-
-GQA = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=2)
-FAMILIES = {
-    "llama-gqa": dict(CASES["llama-untied"], num_hidden_layers=2, **GQA),
-    "mistral-mqa": dict(CASES["mistral-mqa"], num_hidden_layers=2),
-    "qwen2-bias-gqa": dict(CASES["qwen2-qkv-bias"], num_hidden_layers=2, **GQA),
-    "qwen3-qk-norm": CASES["qwen3-qk-norm"],
-    "gemma": CASES["gemma-untied"],
-    "phi3": CASES["phi3"],
-    "gpt2-untied": dict(CASES["gpt2-untied"], n_layer=2),
-    "gpt2-relu-untied": dict(CASES["gpt2-relu"], tie_word_embeddings=False),
-    "neox-parallel": dict(CASES["neox-parallel"], num_hidden_layers=2),
-    "neox-half-rotary-no-bias": CASES["neox-partial-rotary-no-attn-bias"],
-    "falcon-parallel-bias": CASES["falcon-parallel-bias-untied"],
-    "falcon-new-decoder": dict(CASES["falcon-new-decoder"], tie_word_embeddings=False),
-    "bert": dict(CASES["bert-mlm-tied"], num_hidden_layers=2),
-    "roberta": CASES["roberta-mlm-tied"],
-    "llama-tied": CASES["llama-tied"],
-}
 
 
 def gen(seed):

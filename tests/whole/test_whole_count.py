@@ -11,78 +11,10 @@ import pytest
 pytest.importorskip("transformers")
 
 from attnid.adapters.registry import adapter_for
+from attnid.testing.catalogue import WHOLE_CASES as CASES
 from attnid.theory.whole import count_structure
 from attnid.whole.check import arbiter_whole, verify_whole
 from attnid.whole.model import count_model
-
-NOPAD = dict(pad_token_id=None, bos_token_id=None, eos_token_id=None)
-RMS = dict(hidden_size=8, num_attention_heads=2, num_key_value_heads=2, intermediate_size=6,
-           num_hidden_layers=1, vocab_size=12, max_position_embeddings=16, rms_norm_eps=1e-2, **NOPAD)
-GPT2 = dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], n_embd=8, n_head=2, n_layer=1,
-            n_inner=6, vocab_size=12, n_positions=6, layer_norm_epsilon=1e-2, **NOPAD)
-NEOX = dict(model_type="gpt_neox", architectures=["GPTNeoXForCausalLM"], hidden_size=8,
-            num_attention_heads=2, intermediate_size=6, num_hidden_layers=1, vocab_size=12,
-            rotary_pct=1.0, use_parallel_residual=False, tie_word_embeddings=False,
-            layer_norm_eps=1e-2, **NOPAD)
-FALCON = dict(model_type="falcon", architectures=["FalconForCausalLM"], hidden_size=8,
-              num_attention_heads=2, num_hidden_layers=1, vocab_size=12, layer_norm_epsilon=1e-2,
-              ffn_hidden_size=6, **NOPAD)
-
-BERT = dict(model_type="bert", architectures=["BertForMaskedLM"], hidden_size=8, num_attention_heads=2,
-            intermediate_size=6, num_hidden_layers=1, vocab_size=12, max_position_embeddings=6,
-            type_vocab_size=2, layer_norm_eps=1e-2, **NOPAD)
-ROBERTA = dict(BERT, model_type="roberta", architectures=["RobertaForMaskedLM"], type_vocab_size=1,
-               max_position_embeddings=8, pad_token_id=1)
-
-
-def rms(model_type, arch, **kw):
-    return dict(RMS, model_type=model_type, architectures=[arch], **kw)
-
-
-CASES = {
-    # RMSNorm, gated MLP, rotary: tied / untied, GQA, MQA, biases, QK-norm, bare model, 2 layers
-    "llama-untied": rms("llama", "LlamaForCausalLM", tie_word_embeddings=False),
-    "llama-tied": rms("llama", "LlamaForCausalLM", tie_word_embeddings=True),
-    "llama-gqa-2layers": rms("llama", "LlamaForCausalLM", num_hidden_layers=2, num_attention_heads=4,
-                             head_dim=2),
-    "llama-bare-model": rms("llama", "LlamaModel"),
-    "mistral-mqa": rms("mistral", "MistralForCausalLM", num_attention_heads=4, num_key_value_heads=1,
-                       head_dim=2),
-    "qwen2-qkv-bias": rms("qwen2", "Qwen2ForCausalLM"),
-    "qwen2-tied": rms("qwen2", "Qwen2ForCausalLM", tie_word_embeddings=True),
-    "qwen3-qk-norm": rms("qwen3", "Qwen3ForCausalLM", head_dim=4),
-    "gemma-tied": rms("gemma", "GemmaForCausalLM", head_dim=4),
-    "gemma-untied": rms("gemma", "GemmaForCausalLM", head_dim=4, tie_word_embeddings=False),
-    "phi3": rms("phi3", "Phi3ForCausalLM"),
-    # LayerNorm with biases, learned positions, GELU / ReLU
-    "gpt2-tied": dict(GPT2, tie_word_embeddings=True),
-    "gpt2-untied": dict(GPT2, tie_word_embeddings=False),
-    "gpt2-relu": dict(GPT2, activation_function="relu"),
-    "gpt2-2layers": dict(GPT2, n_layer=2),
-    # GPT-NeoX: sequential / parallel, partial rotary, no attention biases, tied
-    "neox-sequential": NEOX,
-    "neox-parallel": dict(NEOX, use_parallel_residual=True, vocab_size=40),
-    "neox-partial-rotary-no-attn-bias": dict(NEOX, rotary_pct=0.5, attention_bias=False),
-    "neox-tied-no-attn-bias": dict(NEOX, attention_bias=False, tie_word_embeddings=True),
-    # Falcon: shared-norm parallel MQA, sequential, biases, untied, new decoder layout
-    "falcon-parallel-mqa-tied": dict(FALCON, vocab_size=40),
-    "falcon-sequential-bias": dict(FALCON, parallel_attn=False, bias=True),
-    "falcon-sequential-mha-untied": dict(FALCON, parallel_attn=False, multi_query=False,
-                                         tie_word_embeddings=False),
-    "falcon-parallel-bias-untied": dict(FALCON, vocab_size=40, bias=True, tie_word_embeddings=False),
-    "falcon-new-decoder": dict(FALCON, vocab_size=40, new_decoder_architecture=True, num_kv_heads=1),
-    # BERT: post-LN, token types, masked-LM head tied / untied, bare model with its pooler
-    "bert-mlm-tied": BERT,
-    "bert-mlm-one-token-type": dict(BERT, type_vocab_size=1),
-    "bert-mlm-untied": dict(BERT, tie_word_embeddings=False, type_vocab_size=1),
-    "bert-bare-model": dict(BERT, architectures=["BertModel"], type_vocab_size=1),
-    "bert-2layers": dict(BERT, num_hidden_layers=2, type_vocab_size=1),
-    # RoBERTa: position rows below padding_idx never read, the pad token at row padding_idx
-    "roberta-mlm-tied": ROBERTA,
-    "roberta-mlm-untied": dict(ROBERTA, tie_word_embeddings=False),
-    "roberta-bare-model": dict(ROBERTA, architectures=["RobertaModel"]),
-    "roberta-padding-idx-3": dict(ROBERTA, pad_token_id=3, max_position_embeddings=9),
-}
 
 
 @pytest.mark.parametrize("name", list(CASES))

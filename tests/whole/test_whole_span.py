@@ -7,10 +7,9 @@ import pytest
 
 pytest.importorskip("transformers")
 
+from attnid.testing.catalogue import WHOLE_CASES as CASES
 from attnid.whole.check import arbiter_whole, tiny_model
 from attnid.whole.transforms.span import compare_span, symmetry_directions
-
-from .test_whole_count import CASES
 
 COMPLETE = ["llama-untied", "qwen3-qk-norm", "gpt2-tied", "gpt2-untied", "neox-parallel",
             "neox-partial-rotary-no-attn-bias", "bert-mlm-tied", "bert-bare-model",

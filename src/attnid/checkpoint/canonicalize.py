@@ -25,10 +25,10 @@ from attnid.checkpoint.load import Checkpoint, open_checkpoint
 from attnid.checkpoint.output import check_out_dir, staged, verify_end_to_end
 from attnid.errors import AttnidError, require
 from attnid.io import DTYPES, write_streaming
+from attnid.numerics import tolerance
 from attnid.symmetry.rebalance import drop_key_bias as zero_free_key_bias
 from attnid.symmetry.rebalance import fold_value_bias as fold_value_bias_into_output
 from attnid.symmetry.rebalance import rebalance_qk, rebalance_vo
-from attnid.testing import tolerance
 from attnid.weights import AttentionWeights
 
 

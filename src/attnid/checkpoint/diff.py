@@ -21,22 +21,17 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from attnid.checkpoint.load import Checkpoint, open_checkpoint
 from attnid.checkpoint.units import Units, layout_of_config, open_units
 from attnid.errors import AttnidError
+from attnid.numerics import rounding_tolerance
 from attnid.progress import Progress
 from attnid.symmetry.invariants import compare_layers as compare_layers
 from attnid.whole.fit.compare import UnitResult
 from attnid.whole.fit.fitter import Fit, fit
-from attnid.whole.fit.fitter import tolerance as fit_tolerance
 from attnid.whole.transforms.layout import Layout
 
-
-def tolerance(dtype: torch.dtype) -> float:
-    """The rounding level a certified residual may reach for checkpoints stored in ``dtype``."""
-    return fit_tolerance(dtype)
+tolerance = rounding_tolerance  # the rounding level a certified residual may reach (the 2-eps rule)
 
 
 def covers(lay: Layout, rotation: str) -> list[str]:

@@ -120,7 +120,7 @@ def verify_end_to_end(ck: Any, out: Path, max_bytes: int, what: str = "rewritten
     """The end-to-end check of a written checkpoint ``out`` against its input ``ck`` (a
     `Checkpoint`), when the input is at most ``max_bytes`` on disk (else None): refused above
     ten times the tolerance of the input's dtype."""
-    from attnid.testing import tolerance
+    from attnid.numerics import tolerance
 
     if sum(f.path.stat().st_size for f in ck.files) > max_bytes:
         return None

@@ -18,6 +18,7 @@ from typing import Literal
 
 import torch
 
+from attnid import numerics
 from attnid.errors import AttnidError
 from attnid.rope import plane_dims
 from attnid.weights import AttentionWeights, group_sum_out
@@ -81,20 +82,9 @@ def _balance_pair_with_q(A: torch.Tensor, B: torch.Tensor, *, align: bool,
 
 
 def polar(M: torch.Tensor) -> torch.Tensor:
-    """Orthogonal factor of ``M`` (the Procrustes solution maximising ``tr(O^T M)``).
-
-    ``O = M (M^T M)^{-1/2}`` from a float64 eigendecomposition of ``M^T M`` (a third cheaper
-    than an SVD), then one Newton-Schulz step, which squares the orthogonality error. When
-    ``M`` is too ill-conditioned for that (``cond > 1e4``), the SVD.
-    """
-    M64 = M.double()
-    lam, V = torch.linalg.eigh(M64.transpose(-1, -2) @ M64)  # ascending
-    if not bool((lam[..., 0] > 1e-8 * lam[..., -1]).all()):
-        U, _, Vh = torch.linalg.svd(M)
-        return U @ Vh
-    O = M64 @ (V * lam.rsqrt().unsqueeze(-2)) @ V.transpose(-1, -2)
-    O = 1.5 * O - 0.5 * O @ (O.transpose(-1, -2) @ O)
-    return O.to(M.dtype)
+    """Orthogonal factor of ``M`` in float64 (`attnid.numerics.polar` at its float64 cutoff,
+    ``cond(M) < 8e3``), returned in ``M``'s dtype."""
+    return numerics.polar(M.double()).to(M.dtype)
 
 
 def _rows_qk(w: AttentionWeights) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,7 +26,7 @@ from typing import Any, Literal
 import torch
 
 from attnid.errors import AttnidError, require_extras
-from attnid.testing import TOLERANCE, relative_error
+from attnid.numerics import TOLERANCE, relative_error
 from attnid.train.model import GPT, GPTConfig
 from attnid.weights import AttentionWeights
 

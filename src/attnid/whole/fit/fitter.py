@@ -26,6 +26,7 @@ import torch
 
 import attnid.whole.fit.canonical as C
 from attnid.errors import AttnidError
+from attnid.numerics import rounding_tolerance as tolerance
 from attnid.whole.fit.compare import Residual, UnitResult, compare_item, compare_unit
 from attnid.whole.fit.frame import Frame, probe_count, probes
 from attnid.whole.fit.match import assignment
@@ -34,17 +35,6 @@ from attnid.whole.fit.source import UnitSource
 from attnid.whole.transforms.element import GroupElement, LayerElement
 from attnid.whole.transforms.residual import rotation_refusal
 from attnid.whole.transforms.state import ModelTensors
-
-
-def tolerance(dtype: torch.dtype) -> float:
-    """The rounding level a certified residual may reach for checkpoints stored in ``dtype``:
-    ``2 eps`` (1e-13 at least): the first-order bound of storage rounding (each of the four
-    stored factors of a compared product off by at most ``eps / 2`` relative, the residual
-    being relative to the product of the factor norms). Exact rewrites stored in bfloat16 or
-    float16 leave 0.22-0.26 eps on every family (measured over random rewrites of every step);
-    in bfloat16 a 5% change to one value projection is refused, a 3% one is not (docs/theory.md
-    §13.19)."""
-    return max(2 * torch.finfo(dtype).eps, 1e-13)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

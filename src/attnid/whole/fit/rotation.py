@@ -10,23 +10,14 @@ from __future__ import annotations
 
 import torch
 
+from attnid import numerics
 from attnid.whole.transforms.orthogonal import ones_complement
 
 
 def polar(M: torch.Tensor) -> torch.Tensor:
-    """The orthogonal factor of ``M`` (``U V^T`` of its SVD): the Procrustes solution, as
-    ``M (M^T M)^{-1/2}`` from a symmetric eigendecomposition polished by one Newton step
-    ``(X + X^{-T}) / 2`` (together about half the SVD's time; ``M`` is well conditioned here:
-    the table rows span the stream); the SVD for widths up to 1024 and when it is not."""
-    if M.shape[0] <= 1024:  # small: the SVD is cheap and the most accurate
-        U, _, Vh = torch.linalg.svd(M)
-        return U @ Vh
-    lam, V = torch.linalg.eigh(M.T @ M)
-    if float(lam[0]) > 1e-6 * float(lam[-1]):
-        X = M @ (V * lam.rsqrt()[None, :]) @ V.T
-        return 0.5 * (X + torch.linalg.inv(X).T)  # one Newton step: the error squared
-    U, _, Vh = torch.linalg.svd(M)
-    return U @ Vh
+    """The orthogonal factor of ``M``: `attnid.numerics.polar` with the SVD up to width 1024 and
+    the eigenvalue route above it while ``cond(M) < 1e3`` (its docstring says why this cutoff)."""
+    return numerics.polar(M, cutoff=1e-6, svd_up_to=1024)
 
 
 def rows(X: torch.Tensor, n: int) -> torch.Tensor:

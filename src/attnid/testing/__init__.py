@@ -1,6 +1,7 @@
 """Test tools that ship with attnid, for its own tests, its scripts and adapter authors.
 
-In the manner of ``e3nn.util.test``: one tolerance table per dtype, an assertion that a
+In the manner of ``e3nn.util.test``: the tolerances, relative error and polar decomposition of
+`attnid.numerics` (re-exported), an assertion that a
 transform preserved a function (reporting the measured error), one that a random element of
 a layer's symmetry group leaves its function alone (``assert_gauge_invariant``), the invariant-map oracle
 behind the wide QK-norm count (docs/theory.md §7.1) and a check that RoPE scores
@@ -8,6 +9,17 @@ depend only on the relative position ``m - n`` (docs/theory.md §5.1).
 
     from attnid.testing import assert_function_preserved
     assert_function_preserved(old_layer, new_layer, x)   # raises AssertionError with the error
+
+The shared pieces of the test suite live here too, loaded when first named (so that
+``import attnid.testing`` loads no transformers): the tiny Hugging Face models
+(`attnid.testing.models`: ``tiny_model``, ``random_hf_model``, ``save_random``,
+``model_function``, ``random_element``), the catalogue of tiny configs and transforms
+(`attnid.testing.catalogue`: ``WHOLE_CASES``, ``TRANSFORM_FAMILIES``, ``TRANSFORM_CASES``,
+``TINY_LLAMA``) and
+the checks on files and refusals (`attnid.testing.files`: ``fingerprint``,
+``assert_one_error``); the attention variants the counts and the symmetry toolkit are checked
+on are in `attnid.testing.specs` (``grid``, ``VARIANTS``, ``ORBIT_GRID``). Test modules import
+these, never each other.
 """
 
 from __future__ import annotations
@@ -21,36 +33,15 @@ from torch import nn
 
 from attnid.attention import Attention
 from attnid.errors import AttnidError
+from attnid.numerics import TOLERANCE as TOLERANCE
+from attnid.numerics import polar as polar
+from attnid.numerics import relative_error as relative_error
+from attnid.numerics import rounding_tolerance as rounding_tolerance
+from attnid.numerics import tolerance as tolerance
 from attnid.rope import apply_rope, rope_tables
 from attnid.spec import AttentionSpec
 from attnid.symmetry.gauge import Gauge, apply_gauge, random_gauge
 from attnid.weights import AttentionWeights
-
-# Relative error a function-preserving transform may leave, by the dtype it computes in:
-# float64 rounding of the transforms here is ~1e-13, so 1e-10 leaves room for depth and
-# ill-conditioning and still catches any genuine change.
-TOLERANCE: dict[torch.dtype, float] = {
-    torch.float64: 1e-10,
-    torch.float32: 1e-5,
-    torch.float16: 5e-3,
-    torch.bfloat16: 3e-2,
-}
-
-
-def tolerance(dtype: torch.dtype) -> float:
-    """The relative tolerance for ``dtype`` (float32's for anything not in the table)."""
-    return TOLERANCE.get(dtype, TOLERANCE[torch.float32])
-
-
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    """``||got - want|| / ||want||`` in float64 (``inf`` when the result is not finite).
-
-    >>> relative_error(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0]))
-    0.0
-    """
-    diff = (got.detach().double() - want.detach().double()).norm()
-    err = float(diff / want.detach().double().norm().clamp_min(torch.finfo(torch.float64).tiny))
-    return err if err == err else float("inf")  # NaN -> inf: never passes a tolerance
 
 
 def _output(out: torch.Tensor | tuple | list) -> torch.Tensor:
@@ -246,3 +237,19 @@ def assert_rope_relative(spec: AttentionSpec, *, rtol: float = 1e-12, seed: int 
         raise AssertionError(f"RoPE scores depend on absolute position: error {err:.3e} > {rtol:.0e} "
                              f"({spec.describe()})")
     return err
+
+
+_LAZY = {"attnid.testing.models": ("tiny_model", "random_hf_model", "save_random", "model_function",
+                                   "random_element"),
+         "attnid.testing.catalogue": ("WHOLE_CASES", "TRANSFORM_FAMILIES", "TRANSFORM_CASES",
+                                      "TINY_LLAMA"),
+         "attnid.testing.files": ("fingerprint", "assert_one_error")}
+
+
+def __getattr__(name: str) -> object:
+    import importlib
+
+    for module, names in _LAZY.items():
+        if name in names:
+            return getattr(importlib.import_module(module), name)
+    raise AttributeError(f"module 'attnid.testing' has no attribute {name!r}")

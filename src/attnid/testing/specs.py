@@ -1,4 +1,11 @@
-"""The variant grid on which every closed-form count is checked against the arbiter."""
+"""The attention variants the tests run on:
+
+- :func:`grid`: every shape x positional variant, a few bias subsets each, on which every
+  closed-form count is checked against the arbiter;
+- :data:`VARIANTS` (named by :data:`VARIANT_IDS`): the variants the symmetry toolkit is checked
+  on, head sizes <= d_model (the orbit is then the null space); :data:`ORBIT_GRID`: a third of
+  the grid with that property.
+"""
 
 from __future__ import annotations
 
@@ -37,7 +44,8 @@ POSITIONAL = [
 ]
 
 
-def _spec(shape, bias, pos) -> AttentionSpec | None:
+def _spec(shape: tuple[int, int, int, int, int], bias: str, pos: tuple[float, str, str, float]
+          ) -> AttentionSpec | None:
     d, H, G, dk, dv = shape
     rope, pairing, norm, eps = pos
     try:
@@ -60,3 +68,21 @@ def grid() -> list[AttentionSpec]:
             if spec is not None and spec not in out:
                 out.append(spec)
     return out
+
+
+VARIANTS = [
+    AttentionSpec(d_model=12, n_heads=3),
+    AttentionSpec(d_model=12, n_heads=3, bias="qkvo"),
+    AttentionSpec(d_model=12, n_heads=4, n_kv_heads=2, bias="qkv"),
+    AttentionSpec(d_model=12, n_heads=4, n_kv_heads=1, bias="kvo"),
+    AttentionSpec(d_model=12, n_heads=3, rope=1.0, bias="qk"),
+    AttentionSpec(d_model=12, n_heads=3, rope=0.5, rope_pairing="interleaved", bias="qkvo"),
+    AttentionSpec(d_model=16, n_heads=4, n_kv_heads=2, rope=0.5, bias="kv"),
+    AttentionSpec(d_model=12, n_heads=2, head_dim=4, v_head_dim=3, bias="v"),
+    AttentionSpec(d_model=12, n_heads=4, n_kv_heads=2, qk_norm="head", bias="qk"),
+    AttentionSpec(d_model=12, n_heads=3, rope=1.0, qk_norm="head", qk_norm_eps=0.0, bias="qkvo"),
+    AttentionSpec(d_model=16, n_heads=4, n_kv_heads=2, rope=1.0, qk_norm="head", bias="o"),
+]
+VARIANT_IDS = [s.describe() for s in VARIANTS]
+
+ORBIT_GRID = [s for s in grid() if s.head_dim <= s.d_model and s.v_head_dim <= s.d_model][::3]

@@ -1,0 +1,68 @@
+"""attnid.numerics: the polar decomposition's two routes agree with the SVD's factor, the
+2-eps rule and the tolerance table."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnid import numerics
+from attnid.numerics import polar, relative_error, rounding_tolerance, tolerance
+
+
+def _matrix(k: int, cond: float, dtype: torch.dtype, batch: tuple[int, ...] = ()) -> torch.Tensor:
+    """``[*batch, k, k]`` with singular values from 1 down to ``1 / cond``."""
+    gen = torch.Generator().manual_seed(0)
+    U = torch.linalg.qr(torch.randn(*batch, k, k, generator=gen, dtype=torch.float64)).Q
+    V = torch.linalg.qr(torch.randn(*batch, k, k, generator=gen, dtype=torch.float64)).Q
+    s = torch.logspace(0, -torch.log10(torch.tensor(cond)).item(), k, dtype=torch.float64)
+    return (U * s.unsqueeze(-2) @ V.transpose(-1, -2)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("cond", [3.0, 1e3, 1e6], ids=lambda c: f"cond{c:g}")
+@pytest.mark.parametrize("batch", [(), (3,)], ids=lambda b: f"batch{len(b)}")
+def test_polar_is_the_svd_factor(dtype, cond, batch):
+    M = _matrix(12, cond, dtype, batch=batch)
+    U, _, Vh = torch.linalg.svd(M.double())
+    want = U @ Vh
+    O = polar(M)
+    eye = torch.eye(12, dtype=torch.float64).expand_as(want)
+    tol = 50 * torch.finfo(dtype).eps * 12
+    orth = relative_error(O.double().transpose(-1, -2) @ O.double(), eye)
+    err = relative_error(O, want)
+    assert O.dtype == dtype and O.shape == M.shape
+    assert orth < tol, f"O^T O off the identity by {orth:.2e} (cond {cond:g}, {dtype})"
+    # the factor itself is as well determined as M's smallest singular values allow
+    assert err < tol * cond, f"polar off the SVD's factor by {err:.2e} (cond {cond:g}, {dtype})"
+
+
+def test_the_cutoff_chooses_the_route(monkeypatch):
+    calls = []
+    real = numerics._svd_polar
+    monkeypatch.setattr(numerics, "_svd_polar", lambda M: calls.append(M.shape) or real(M))
+    M = _matrix(8, 1e3, torch.float64)  # cond^2 = 1e6
+    polar(M, cutoff=1e-8)
+    assert calls == []  # eigenvalue route
+    polar(M, cutoff=1e-5)
+    assert calls == [M.shape]  # too ill-conditioned for this cutoff: the SVD
+    polar(_matrix(8, 2.0, torch.float64), svd_up_to=8)
+    assert len(calls) == 2  # small enough for the SVD
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_storage_rounding_stays_within_the_two_eps_rule(dtype):
+    # a product of two stored factors, relative to the product of their norms (how
+    # attnid.whole.fit measures a residual), moves by at most ~eps when both are rounded
+    gen = torch.Generator().manual_seed(0)
+    A, B = (torch.randn(64, 16, generator=gen, dtype=torch.float64) for _ in range(2))
+    Aq, Bq = A.to(dtype).double(), B.to(dtype).double()
+    moved = float((Aq @ Bq.T - A @ B.T).norm() / (A.norm() * B.norm()))
+    assert rounding_tolerance(dtype) == max(2 * torch.finfo(dtype).eps, 1e-13)
+    assert moved <= rounding_tolerance(dtype), f"storage rounding moved the product by {moved:.2e}"
+    assert tolerance(dtype) >= moved
+
+
+def test_relative_error_never_passes_nan():
+    assert relative_error(torch.tensor([float("nan")]), torch.tensor([1.0])) == float("inf")
+    assert relative_error(torch.tensor([1.0, 0.0]), torch.tensor([1.0, 1e-3])) == pytest.approx(1e-3)
