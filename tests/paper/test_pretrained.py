@@ -174,3 +174,11 @@ def test_the_size_follows_the_context(quick, scale, want):
     if scale is not None:
         ctx = dataclasses.replace(ctx, scale=scale)
     assert pt.budget_for(ctx) is getattr(pt, want)
+
+
+@pytest.mark.parametrize("n_eval", [32, 512, 1024])
+def test_the_fine_tune_never_trains_on_a_held_out_line(n_eval):
+    from attnid.paper.finetune import split
+
+    pairs = split(n_eval)
+    assert len(pairs.held_out) == n_eval and not set(pairs.held_out) & set(pairs.train)

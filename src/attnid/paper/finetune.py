@@ -114,6 +114,14 @@ def minilm_path() -> Path:
     return Path(gt.get_model_path())
 
 
+def split(n_eval: int) -> Any:
+    """The view pairs (`attnid.paper.contrastive.view_pairs`): ``n_eval`` held-out lines and
+    every other line to train on (disjoint: one split for both)."""
+    from attnid.paper.contrastive import view_pairs
+
+    return view_pairs(held_out=n_eval)
+
+
 def attention_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The attention weights of a BERT-family encoder (query, key, value, output projection and
     their biases): made trainable; every other parameter is frozen."""
@@ -194,7 +202,7 @@ def fine_tune(name: str, seed: int, budget: Budget, held_out: list, pretrained: 
               progress: Progress) -> FineTune:
     """One run from a copy of ``pretrained`` (model, tokenizer): loss every step, orbit metrics
     every ``budget.monitor_every`` steps, held-out retrieval at ``budget.eval_steps``."""
-    from attnid.paper.contrastive import batches, contrastive_loss, embed, retrieval, view_pairs
+    from attnid.paper.contrastive import batches, contrastive_loss, embed, retrieval
 
     run = RUNS[name]
     torch.manual_seed(seed)
@@ -215,7 +223,7 @@ def fine_tune(name: str, seed: int, budget: Budget, held_out: list, pretrained: 
     bar = progress.steps(budget.steps, f"{run.label}, seed {seed}")
     t0 = time.process_time()
     try:
-        data = batches(view_pairs().train, budget.batch_size, budget.steps, seed=seed + 1)
+        data = batches(split(len(held_out)).train, budget.batch_size, budget.steps, seed=seed + 1)
         for step, (a, b) in enumerate(data, start=1):
             loss = contrastive_loss(embed(model, tok, a), embed(model, tok, b), TEMPERATURE)
             opt.zero_grad()

@@ -38,6 +38,7 @@ from attnid.paper.finetune import (
     endpoint_distance,
     fine_tune,
     minilm_path,
+    split,
     stacked,
 )
 from attnid.progress import Progress
@@ -53,8 +54,7 @@ TITLE = "The claims on a pretrained model (all-MiniLM-L6-v2, fine-tuned on CPU)"
 QUICK = Budget(steps=3, batch_size=8, n_eval=32, rebalance_every=2, sgd_seeds=1)
 DEFAULT = Budget(steps=30, batch_size=16, n_eval=512, seeds=2, monitor_every=5, rebalance_every=10,
                  sgd_seeds=1)
-FULL = Budget(steps=60, batch_size=16, n_eval=1024, seeds=4, evals=3, monitor_every=5, rebalance_every=10,
-              sgd_seeds=2)
+FULL = Budget(steps=60, batch_size=16, n_eval=1024, seeds=4, monitor_every=5, rebalance_every=10, sgd_seeds=2)
 ACCURACY_MARGIN = 0.02  # "keeps the gain": the paired difference's 95% interval inside ±this (absolute)
 RHO_ADAMW_MIN = 0.1  # AdamW's median rho at least this fraction of an isotropic update's (the tangent share)
 RHO_SGD_MAX = 1e-4  # SGD's median rho below this fraction of it: orbit-free up to float32 rounding
@@ -214,13 +214,13 @@ def run_section(budget: Budget | None = None, figures: Path = Path("figures"),
     under ``figures``."""
     budget = budget if budget is not None else Budget(**sizes)
     require("transformers", "hf")
-    from attnid.paper.contrastive import load_encoder, retrieval, view_pairs
+    from attnid.paper.contrastive import load_encoder, retrieval
 
     progress = progress or Progress(enabled=False)
     path = minilm_path()
     progress.stage("pretrained MiniLM: audit")
     rep = audit(path)
-    held_out = view_pairs(held_out=budget.n_eval).held_out
+    held_out = split(budget.n_eval).held_out
     model, tok = load_encoder(path)
     base = retrieval(model, tok, held_out)
     spec = find_layers(model)[0].spec
