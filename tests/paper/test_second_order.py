@@ -192,3 +192,71 @@ def test_the_section_draws_and_claims_without_the_runs_beyond_the_paper(smoke, t
     section = tr.training_section(data, tmp_path)
     assert section.claims and not any(c.claim.startswith(("[RoPE]", "[GQA]")) for c in section.claims)
     assert {f.path.name for f in section.figures} >= {"fig5_second_order.png", "fig6_vo_drift.png"}
+
+
+# ---- the reference line, the signs, the rebalancing claims ---------------------------------------
+@pytest.mark.parametrize("prefix", ["", "rope_", "gqa_"])
+def test_fig2_draws_each_variants_own_tangent_share(smoke, prefix, tmp_path, monkeypatch):
+    """The dashed line on the rho panels is the variant's tangent share (RoPE and GQA: not 1/(2H))."""
+    drawn = []
+    monkeypatch.setattr(tr, "_save", lambda fig, path: drawn.append(fig) or path)
+    cases = [prefix + c for c in ("sgd", "sgd_wd", "adamw", "adamw_rebalance")]
+    tr.fig2(smoke, cases, "qk", tmp_path / "f.png", "t")
+    share = tr.tangent_share(smoke.configs[prefix + "adamw"].model.attention_spec(), "qk")
+    rho_axes = [ax for ax in drawn[0].axes if ax.get_yscale() == "log" and ax.get_title().startswith("rho")]
+    lines = [ln for ax in drawn[0].axes for ln in ax.get_lines()
+             if ln.get_label().startswith("tangent share")]
+    assert rho_axes and len(lines) == len(cases), [ln.get_label() for ln in lines]
+    assert all(ln.get_ydata()[0] == pytest.approx(share, rel=1e-12) for ln in lines), (share, lines)
+    if prefix:
+        n_heads = smoke.configs[prefix + "adamw"].model.n_heads
+        assert abs(share - 1 / (2 * n_heads)) > 0.01, share  # the variants' shares differ from 1/(2H)
+
+
+@pytest.mark.parametrize("prefix", ["rope_", "gqa_"])
+def test_variant_claims_quote_their_own_share_not_one_over_2h(smoke, prefix):
+    spec = smoke.configs[prefix + "adamw"].model.attention_spec()
+    claim = next(c for c in tr.claims(smoke, prefix, share=tr.qk_share(spec)) if "tangent share" in c.claim)
+    assert "1/(2H) =" not in claim.evidence and f"tangent share {tr.qk_share(spec):.3g}" in claim.evidence
+
+
+def test_the_sweep_keeps_the_sign_of_beta_vos_change(smoke, tmp_path):
+    run = smoke.runs["sweep_lr0.0625"]
+    falling = run.vo.beta * np.linspace(1, 0.9, len(run.step))[:, None]  # beta_vo falls 10%
+    data = _with_run(smoke, "sweep_lr0.0625", vo={"beta": falling})
+    lrs, per_time = so.sweep_per_time(data, "vo")
+    assert per_time[lrs.index(0.0625)] < 0, per_time
+    quoted = f"{per_time[lrs.index(0.0625)]:+.2g} at lr 0.0625"
+    assert quoted.startswith("-") and quoted in tr.caption_fig6(data), tr.caption_fig6(data)
+    assert f"{per_time[-1]:+.2g}" in so.text(data)
+
+
+def test_the_rebalancing_loss_claim_fails_beyond_its_share_of_the_loss_drop(smoke):
+    adam, reb = smoke.runs["adamw"], smoke.runs["adamw_rebalance"]
+    assert tr.rebalance_loss_claim(adam, reb)[1]
+    drop = tr.loss_gap(adam, reb)[2]
+    worse = reb.loss.copy()
+    worse[-1] += 2 * tr.LIMITS.loss_share * drop  # one logged step off by twice the margin
+    bad = tr.rebalance_loss_claim(adam, dataclasses.replace(reb, loss=worse))
+    assert not bad[1] and "margin" in bad[2], bad
+
+
+def test_the_sawtooth_claim_fails_without_a_reset_or_without_regrowth(smoke):
+    adam, reb = smoke.runs["adamw"], smoke.runs["adamw_rebalance"]
+    correct = smoke.configs["adamw_rebalance"].correct
+    assert tr.sawtooth_claim(adam, reb, correct)[1], tr.sawtooth_claim(adam, reb, correct)
+    no_reset = dataclasses.replace(reb, qk=dataclasses.replace(reb.qk, beta=adam.qk.beta.copy()))
+    assert not tr.sawtooth_claim(adam, no_reset, correct)[1]
+    flat = reb.qk.beta.copy()
+    at = (reb.step % 10 == 0)
+    flat[~at & (reb.step > 10)] = 2 * flat[at].max()  # between resets: only rounding-level regrowth
+    bad = tr.sawtooth_claim(adam, dataclasses.replace(reb, qk=dataclasses.replace(reb.qk, beta=flat)),
+                            correct)
+    assert not bad[1], bad
+    assert re.search(r"regrows to [0-9.]+× its largest reset value \(margin 100×\)", bad[2]), bad
+
+
+def test_fig9_alt_text_says_which_panels_are_log_log(smoke, tmp_path):
+    figures = tr.training_section(smoke, tmp_path).figures
+    fig = next(f for f in figures if f.path.name == "fig5_second_order.png")
+    assert "three log-log panels" not in fig.alt and "(linear)" in fig.alt, fig.alt

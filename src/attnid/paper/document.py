@@ -11,6 +11,7 @@ import base64
 import csv
 import html
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -79,11 +80,75 @@ class Context:
     out: Path  # the report's folder
     quick: bool  # small sizes (``reproduce --quick``)
     progress: Progress
+    scale: str | None = None  # quick | default | full | paper (``reproduce --scale``); None: from quick
 
     @property
     def figures(self) -> Path:
         """Where a section writes its PNGs."""
         return self.out / "figures"
+
+
+# a number as prose prints it: an optional sign, digits (thousands separated by commas), a
+# fraction, an exponent, a percent sign; never part of a name (L6, v2, rho_qk, C_0, float32)
+NUMBER = re.compile(r"(?<![\w.])([+\-−±]?)(\d{1,3}(?:,\d{3})+|\d+)(\.\d+)?([eE][+\-]?\d+)?(%?)(?![\w])")
+
+
+@dataclass(frozen=True)
+class Quoted:
+    """A number as printed in text: its value (a percent already divided by 100), how far a
+    value may lie from it and still print so (half a unit in its last digit), and its sign."""
+
+    text: str
+    value: float
+    tolerance: float
+    sign: str  # "+", "-" or "" (printed without one: not negative), "±" (either)
+
+    def matches(self, x: float) -> bool:
+        if self.sign == "-" and not (x < 0 or (x == 0 and str(x).startswith("-"))):
+            return False
+        if self.sign in ("+", "") and x < 0:
+            return False
+        target = -self.value if self.sign == "-" else self.value
+        return abs((abs(x) if self.sign == "±" else x) - target) <= self.tolerance * (1 + 1e-9) + 1e-300
+
+
+def quoted_numbers(text: str) -> list[Quoted]:
+    """Every number printed in ``text`` (see :data:`NUMBER`)."""
+    out = []
+    for m in NUMBER.finditer(text):
+        sign, whole, frac, exp, pct = m.groups()
+        digits = len(frac) - 1 if frac else 0
+        scale = (10.0 ** int(exp[1:])) if exp else 1.0
+        scale /= 100.0 if pct else 1.0
+        value = float(whole.replace(",", "") + (frac or "")) * scale
+        out.append(Quoted(m.group(0), value, 0.5 * 10.0 ** -digits * scale, "-" if sign == "−" else sign))
+    return out
+
+
+def table_values(tables: tuple[Table, ...] | list[Table]) -> list[float]:
+    """Every number in ``tables``: numeric cells, and the numbers printed inside text cells."""
+    out: list[float] = []
+    for t in tables:
+        for row in t.rows:
+            for v in row.values():
+                if isinstance(v, bool) or v is None:
+                    continue
+                if isinstance(v, (int, float)):
+                    out.append(float(v))
+                elif isinstance(v, str):
+                    out += [(-q.value if q.sign == "-" else q.value) for q in quoted_numbers(v)]
+    return out
+
+
+def untabled(section: Section) -> list[str]:
+    """The numbers that the section's text, figure captions and claims (statement and evidence)
+    print but none of its tables holds, within the precision they are printed to; each as
+    ``"where: number"``. Empty when every number the section states is in its tables."""
+    values = table_values(section.tables)
+    texts = [("text", section.text), *((f"caption of {f.path.name}", f.caption) for f in section.figures),
+             *((f"claim {c.claim[:40]!r}", c.claim + " " + c.evidence) for c in section.claims)]
+    return [f"{where}: {q.text}" for where, text in texts for q in quoted_numbers(text)
+            if not any(q.matches(v) for v in values)]
 
 
 def cell(v: Any) -> str:

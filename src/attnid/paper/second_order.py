@@ -177,13 +177,13 @@ def change(run: RunData, side: Side) -> tuple[float, float, float]:
 
 
 def sweep_per_time(data: ExperimentData, side: Side) -> tuple[list[float], list[float]]:
-    """Over the whole SGD sweep runs: (lrs, |Δ mean beta| / (lr * steps)), largest lr first."""
+    """Over the whole SGD sweep runs: (lrs, Δ mean beta / (lr * steps), signed), largest lr first."""
     runs = sorted((float(n.removeprefix("sweep_lr")), n) for n in data.runs if n.startswith("sweep_lr"))[::-1]
     out = []
     for lr, name in runs:
         b0, b1, _ = change(data.runs[name], side)
         steps = data.runs[name].step[-1] - data.runs[name].step[0]
-        out.append(abs(b1 - b0) / (lr * steps))
+        out.append((b1 - b0) / (lr * steps))
     return [lr for lr, _ in runs], out
 
 
@@ -507,11 +507,11 @@ def _vo_summary(data: ExperimentData) -> list[str]:
     if lrs:
         whole = {float(n.removeprefix("sweep_lr")): change(data.runs[n], "vo")[2]
                  for n in data.runs if n.startswith("sweep_lr")}
-        mono = all(a > b for a, b in itertools.pairwise(per_time))
+        mono = all(abs(a) > abs(b) for a, b in itertools.pairwise(per_time))
         out.append("Over whole SGD runs of the same number of steps, beta_vo changes "
                    + ", ".join(f"{100 * whole[lr]:+.1f}% at lr {lr:g}" for lr in lrs)
-                   + "; per unit of time lr·steps " + ", ".join(f"{v:.2g}" for v in per_time)
-                   + (": it falls with lr." if mono else
+                   + "; per unit of time lr·steps " + ", ".join(f"{v:+.2g}" for v in per_time)
+                   + (": its size falls with lr." if mono else
                       ": not monotone in lr, because one spike or the cancellation of signed steps decides a "
                       "whole run's net change; the fixed-time runs below isolate the dependence on lr."))
     sp = data.same_point.get("")

@@ -17,7 +17,7 @@ from matplotlib.ticker import NullFormatter
 
 from attnid.paper import second_order
 from attnid.paper.document import Claim, Figure, Section, Table
-from attnid.paper.experiment import PAPER_CASES, VARIANTS, ExperimentData, title
+from attnid.paper.experiment import PAPER_CASES, VARIANTS, ExperimentData, RunData, title
 from attnid.paper.second_order import lr_axis
 from attnid.stats import log_slope, median, medians
 from attnid.symmetry.conserved import flat_key
@@ -37,7 +37,8 @@ def _save(fig: MplFigure, path: Path) -> Path:
 RHO_FLOOR = 1e-14  # rho is drawn on a log axis; exact zeros sit on this floor
 def fig2(data: ExperimentData, cases: list[str], side: Side, path: Path, heading: str) -> Path:
     """Rows: cases. Columns: loss, update norm, rho, beta, tau, mu (per head: median or mean
-    line, min-max band)."""
+    line, min-max band). Dashed on rho: each case's own tangent share (:func:`tangent_share`
+    of its spec, the rho of an isotropic update; 1/(2H) only for plain MHA)."""
     cols = ["loss", "update norm ||Δw||", f"{flat_key('rho', side)} (tangent share)",
             f"{flat_key('beta', side)} = ||C||_F", f"{flat_key('tau', side)} = trace C", flat_key("mu", side)]
     fig = MplFigure(figsize=(19, 2.7 * len(cases) + 0.8))
@@ -45,6 +46,7 @@ def fig2(data: ExperimentData, cases: list[str], side: Side, path: Path, heading
     for row, case in zip(axes, cases, strict=True):
         r = data.runs[case]
         s = r.step
+        share = tangent_share(data.configs[case].model.attention_spec(), side)
         row[0].plot(s, r.loss, lw=1, label="train")
         if r.val_loss.size:
             row[0].plot(r.val_step, r.val_loss, "o-", ms=3, label="val")
@@ -55,7 +57,7 @@ def fig2(data: ExperimentData, cases: list[str], side: Side, path: Path, heading
         rho = np.maximum(r.side(side).rho, RHO_FLOOR)  # log axis: SGD's numerical zero stays visible
         row[2].fill_between(s, rho.min(1), rho.max(1), alpha=0.25, color="tab:blue", lw=0)
         row[2].plot(s, medians(rho), lw=1.2, color="tab:blue", label="median")
-        row[2].axhline(1 / (2 * data.n_heads), color="k", ls="--", lw=0.8, label="1/(2H)")
+        row[2].axhline(share, color="k", ls="--", lw=0.8, label=f"tangent share {share:.2g}")
         row[2].set_yscale("log")
         row[2].set_ylim(RHO_FLOOR, 2.0)  # a share: rebalancing steps show as 1 (the move is all orbit)
         row[2].legend(fontsize=6, loc="lower right")
@@ -142,9 +144,9 @@ class Thresholds:
 
     sgd_rho_vs_adam: float = 1e-3  # SGD's median rho below this fraction of AdamW's
     share_factor: float = 10.0  # AdamW's median rho within this factor of the tangent share
-    loss_noise_sigmas: float = 3.0  # rebalancing: loss within this many noise sigmas ...
-    loss_relative: float = 0.02  # ... plus this fraction of the loss
-    sawtooth_floor: float = 0.05  # rebalanced beta falls below this fraction of its maximum
+    loss_share: float = 0.05  # rebalancing: loss differences below this share of AdamW's loss drop
+    reset_level: float = 1e-4  # at a rebalancing step: beta below this fraction of AdamW's (rounding: 1e-7)
+    regrowth: float = 100.0  # between rebalancings: beta back above this many times its reset level
     key_bias_zero: float = 1e-4  # float32: "numerically zero" relative to the query-bias gradient
     key_bias_alive: float = 1e-2  # under full RoPE: clearly not zero
     projection_rho: float = 1e-6  # rho left by the project correction
@@ -157,16 +159,11 @@ class Thresholds:
 LIMITS = Thresholds()
 
 
-def _tail(x: np.ndarray, frac: float = 0.2) -> float:
-    n = max(1, int(len(x) * frac))
-    return float(np.mean(x[-n:]))
-
-
 def claims(data: ExperimentData, prefix: str = "", share: float | None = None,
            key_bias_free: bool = True) -> list[Claim]:
     """The paper's qualitative training claims on one variant, each checked against the runs,
     and the second-order claims (`attnid.paper.second_order`) on both sides."""
-    runs, n_heads = data.runs, data.n_heads
+    runs = data.runs
     sgd, wd = runs[prefix + "sgd"], runs[prefix + "sgd_wd"]
     adam, reb = runs[prefix + "adamw"], runs[prefix + "adamw_rebalance"]
     tag = f"[{VARIANTS[prefix]}] " if prefix else ""
@@ -182,23 +179,17 @@ def claims(data: ExperimentData, prefix: str = "", share: float | None = None,
     second_order.claims(data, prefix, add)
     b1, bw = sgd.qk.beta[-1].mean(), wd.qk.beta[-1].mean()
     add("weight decay makes beta_qk shrink", bw < b1, f"final mean beta_qk: SGD {b1:.4g}, SGD+wd {bw:.4g}")
-    target = 1 / (2 * n_heads) if share is None else share
-    add("AdamW's rho_qk is of the order of the tangent share (1/(2H) for plain MHA)",
+    target = tangent_share(data.configs[prefix + "adamw"].model.attention_spec()) if share is None else share
+    add("AdamW's rho_qk is of the order of the tangent share (orbit dimension over QK parameters; 1/(2H) "
+        "for plain MHA without biases)",
         target / LIMITS.share_factor <= rho_adam <= LIMITS.share_factor * target,
-        f"median rho_qk {rho_adam:.3g} vs tangent share {target:.3g} (1/(2H) = {1 / (2 * n_heads):.3g})")
+        f"median rho_qk {rho_adam:.3g} vs tangent share {target:.3g}")
     b0 = sgd.qk.beta[0].mean()
     ba0, ba1 = adam.qk.beta[0].mean(), adam.qk.beta[-1].mean()
     add("AdamW makes beta_qk drift (more than SGD)", abs(ba1 - ba0) > abs(b1 - b0),
         f"AdamW beta_qk {ba0:.4g} -> {ba1:.4g}; SGD {b0:.4g} -> {b1:.4g}")
-    la, lr_ = _tail(adam.loss), _tail(reb.loss)
-    noise = max(float(np.std(adam.loss[-max(3, len(adam.loss) // 5):])), 1e-3)
-    add("rebalancing leaves AdamW's loss curve unchanged (within run-to-run noise)",
-        abs(la - lr_) <= LIMITS.loss_noise_sigmas * noise + LIMITS.loss_relative * la,
-        f"mean loss over the last 20%: AdamW {la:.4f}, rebalanced {lr_:.4f}, noise {noise:.4f}")
-    bm = reb.qk.beta.mean(1)
-    add("rebalancing makes beta_qk a sawtooth (back to ~0 at each rebalance)",
-        bm.min() < LIMITS.sawtooth_floor * bm.max() and bm[-1] > bm.min(),
-        f"rebalanced mean beta_qk: min {bm.min():.3g}, max {bm.max():.3g}")
+    add(*rebalance_loss_claim(adam, reb))
+    add(*sawtooth_claim(adam, reb, data.configs[prefix + "adamw_rebalance"].correct))
     if adam.grad_norm_bk is not None:
         bk, bq = _bias_grads(data, [prefix + c for c in ("adamw",)])
         if key_bias_free:  # float32 training: "numerically zero" is ~1e-7 relative
@@ -208,6 +199,53 @@ def claims(data: ExperimentData, prefix: str = "", share: float | None = None,
             add("under full RoPE the key bias is identified: its gradient is not zero",
                 bk > LIMITS.key_bias_alive * bq, f"max |grad b_K| {bk:.2e}, median |grad b_Q| {bq:.2e}")
     return out
+
+
+def loss_gap(adam: RunData, reb: RunData) -> tuple[float, float, float]:
+    """Rebalancing against plain AdamW, same seed and batches, so each logged step is a paired
+    comparison: (largest train-loss difference over the logged steps, final validation-loss
+    difference, AdamW's loss drop from its step-1 train loss to its final validation loss)."""
+    drop = float(adam.loss[0] - (adam.val_loss[-1] if adam.val_loss.size else adam.loss[-1]))
+    train = float(np.max(np.abs(reb.loss - adam.loss)))
+    both = adam.val_loss.size and reb.val_loss.size
+    return train, float(abs(reb.val_loss[-1] - adam.val_loss[-1])) if both else 0.0, drop
+
+
+def rebalance_loss_claim(adam: RunData, reb: RunData) -> tuple[str, bool, str]:
+    """The loss differences of :func:`loss_gap` against a share of AdamW's loss drop."""
+    train, val, drop = loss_gap(adam, reb)
+    margin = LIMITS.loss_share * drop
+    return (f"rebalancing leaves AdamW's loss curve unchanged: on the same batches, every logged loss "
+            f"differs by less than {LIMITS.loss_share:.0%} of AdamW's loss drop",
+            drop > 0 and max(train, val) < margin,
+            f"largest train-loss difference {train:.2g}, final validation-loss difference {val:.2g}; AdamW's "
+            f"loss drop {drop:.3g} (step-1 train loss to final validation loss), margin {margin:.2g}")
+
+
+def sawtooth_claim(adam: RunData, reb: RunData, correct: str) -> tuple[str, bool, str]:
+    """At the logged rebalancing steps the mean beta_qk is reset to rounding level; at the logged
+    steps between them AdamW regrows it (a sawtooth), when any are logged."""
+    from attnid.monitor import parse_correction
+
+    every = parse_correction(correct)[1]
+    bm, ba = reb.qk.beta.mean(1), adam.qk.beta.mean(1)  # [S]
+    at = (reb.step % every == 0) & (reb.step > 0)
+    between = ~at & (reb.step > every)
+    if not at.any():
+        return ("rebalancing resets beta_qk to ~0", False,
+                f"no logged step is a rebalancing step (every {every})")
+    reset = float(np.max(bm[at] / ba[at]))
+    text = (f"at the {int(at.sum())} logged rebalancing steps (every {every}) the rebalanced mean beta_qk is "
+            f"at most {reset:.2g} of AdamW's (margin {LIMITS.reset_level:g})")
+    if not between.any():
+        return ("rebalancing resets beta_qk to ~0 at each rebalancing step (no step between them is logged: "
+                "the regrowth is not observed)", reset < LIMITS.reset_level, text)
+    grown = float(np.max(bm[between])) / max(float(np.max(bm[at])), 1e-300)
+    return ("rebalancing makes beta_qk a sawtooth: reset to ~0 at each rebalancing step, regrown by AdamW "
+            "between them",
+            reset < LIMITS.reset_level and grown > LIMITS.regrowth,
+            f"{text}; between them it regrows to {grown:.3g}× its largest reset value (margin "
+            f"{LIMITS.regrowth:g}×)")
 
 
 def _bias_grads(data: ExperimentData, cases: list[str]) -> tuple[float, float]:
@@ -309,17 +347,22 @@ def caption_fig2_qk(data: ExperimentData) -> str:
     text = (f"The paper's Fig. 2. SGD's rho_qk stays at numerical zero (median {rho_sgd:.1g}) and its mean "
             f"beta_qk moves {100 * rel:+.1f}%; AdamW's median rho_qk is {rho_adam:.3g}, "
             f"{rho_adam / share:.2f} of the share an isotropic update would have (orbit dimension over QK "
-            f"parameters, {share:.3g}; dashed: 1/(2H) = {1 / (2 * data.n_heads):.3g})")
+            f"parameters, {share:.3g}, dashed)")
     a = data.anatomy
     if a is not None:
         text += (f": AdamW's update is the gradient (rho {a.rho['gradient']['qk']:.0e}) rescaled coordinate "
                  f"by coordinate by 1/sqrt(v), and that rescaling alone gives rho "
                  f"{a.rho['preconditioned gradient']['qk']:.3g} (momentum alone "
                  f"{a.rho['momentum']['qk']:.2g}, an isotropic direction {a.rho['isotropic']['qk']:.3g})")
-    return text + (f"; AdamW's beta_qk drifts {100 * rel_adam:+.0f}%; rebalancing turns beta_qk into a "
-                   f"sawtooth "
-                   "without changing the loss (its rebalancing steps are pure orbit moves: rho = 1 and a "
-                   f"spike in the update norm). Lines are means (rho: median) over heads; {BAND}.")
+    adam, reb = data.runs["adamw"], data.runs["adamw_rebalance"]
+    saw = sawtooth_claim(adam, reb, data.configs["adamw_rebalance"].correct)
+    loss = rebalance_loss_claim(adam, reb)
+    text += f"; AdamW's beta_qk drifts {100 * rel_adam:+.0f}%; rebalancing "
+    text += "resets beta_qk to ~0 at each rebalancing step" if saw[1] else "does not reset beta_qk to ~0"
+    gap = max(loss_gap(adam, reb)[:2])
+    text += f" and changes the loss by at most {gap:.2g} ({'within' if loss[1] else 'beyond'} its margin"
+    return text + (f"; its rebalancing steps are pure orbit moves: rho = 1 and a spike in the update norm). "
+                   f"Lines are means (rho: median) over heads; {BAND}.")
 
 
 def caption_fig2_vo(data: ExperimentData) -> str:
@@ -415,7 +458,7 @@ def caption_fig6(data: ExperimentData) -> str:
     lrs, per_time = second_order.sweep_per_time(data, "vo")
     if lrs:
         text += (" Right: beta_vo along the whole sweep runs against time lr·step; per unit of time it "
-                 f"moves {per_time[0]:.2g} at lr {lrs[0]:g} and {per_time[-1]:.2g} at lr {lrs[-1]:g}.")
+                 f"moves {per_time[0]:+.2g} at lr {lrs[0]:g} and {per_time[-1]:+.2g} at lr {lrs[-1]:g}.")
     return text
 
 
@@ -456,7 +499,7 @@ def _paper_figures(data: ExperimentData, figures: Path) -> list[Figure]:
         Figure(fig2(data, paper, "vo", figures / "fig2_vo.png", "Fig. 2 (VO side): the paper's four cases"),
                caption_fig2_vo(data),
                "Grid of the four training cases against loss, update norm, rho_vo, beta_vo, tau_vo and "
-               "mu_vo over steps; beta_vo rises under SGD."),
+               "mu_vo over steps."),
         Figure(fig3(data, paper, figures / "fig3_bias_grads.png"), caption_fig3(data),
                "Per-head query-bias (left) and key-bias (right) gradient norms over steps, log scale, "
                "one row per training case."),
@@ -513,8 +556,9 @@ def training_section(data: ExperimentData, figures: Path) -> Section:
     figs += more_figs
     found += more_claims
     figs.append(Figure(second_order.fig5(data, figures / "fig5_second_order.png"), caption_fig5(data),
-                       "Two rows (QK, VO) of three log-log panels: one-step drift against learning rate, "
-                       "per-step drift against squared update, and moved-over-bound ratio along the run."))
+                       "Two rows (QK, VO) of three panels: one-step drift against learning rate and "
+                       "per-step drift against squared update (both log-log), and the moved-over-bound ratio "
+                       "(log) against the step (linear)."))
     figs.append(Figure(second_order.fig6_vo(data, figures / "fig6_vo_drift.png"), caption_fig6(data),
                        "Three panels: tau_vo change against the accumulated second-order term over steps; "
                        "drift per unit time against learning rate; beta_vo change against time lr·step."))
