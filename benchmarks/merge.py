@@ -9,7 +9,7 @@ trained from different seeds each part of the symmetry group removes.
    as Hugging Face checkpoints (``merge_train.train_model``): a Llama-style model (RMSNorm,
    SwiGLU, RoPE, GQA, untied head) and a GPT-2-style one (LayerNorm, GELU, learned positions,
    biases, tied head).
-2. For each pair and each variant of the group (`attnid.whole.align.GROUPS`: none,
+2. For each pair and each variant of the group (`attnid.whole.align.SUBGROUPS`: none,
    permutations, orthogonal, rotation, full), each matched on the weights and on activations
    over training text (``--matching``), aligns B onto A and measures the loss along the
    straight path ``(1 - alpha) A + alpha B`` on the held-out 10% of the corpus (the models never
@@ -39,10 +39,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attnid.checkpoint.align import CALIBRATION_TOKENS, load_tensors
 from attnid.checkpoint.barrier import Evaluator, mid_barrier, path_losses
 from attnid.checkpoint.load import open_checkpoint
-from attnid.checkpoint.tokens import read_blocks
+from attnid.checkpoint.tokens import read_chunks
 from attnid.checkpoint.units import open_units
 from attnid.progress import Progress
-from attnid.whole.align import GROUPS, align
+from attnid.whole.align import SUBGROUPS, align
 from attnid.whole.transforms.state import ModelTensors
 
 
@@ -72,19 +72,19 @@ def run_pair(arch: str, hf_a: Path, hf_b: Path, data: Path, calibration: Path, m
              alphas: list[float], tokens: int, context: int, shown: Progress) -> dict:
     ck = open_checkpoint(hf_a)
     A, B = load_tensors(open_units(ck)), load_tensors(open_units(open_checkpoint(hf_b)))
-    blocks = read_blocks(ck, data, context=context, max_tokens=tokens)
-    calib = read_blocks(ck, calibration, context=context, max_tokens=CALIBRATION_TOKENS).ids
+    blocks = read_chunks(ck, data, context=context, max_tokens=tokens)
+    calib = read_chunks(ck, calibration, context=context, max_tokens=CALIBRATION_TOKENS).ids
     ev = Evaluator(ck)
     result: dict = {"tokens": blocks.tokens, "context": context, "calibration_tokens": int(calib.numel()),
                     "variants": {}}
-    runs = [("none", "weights")] + [(g, m) for g in GROUPS[1:] for m in matchings]
+    runs = [("none", "weights")] + [(g, m) for g in SUBGROUPS[1:] for m in matchings]
     for group, matching in runs:
         name = group if group == "none" else f"{group} ({matching})"
         t0 = time.perf_counter()
         al = align(A, B, group=group, calibration=calib if matching == "activations" else None)  # type: ignore[arg-type]
         seconds = time.perf_counter() - t0
         losses = path_losses(ev, A, al.model, blocks, alphas, shown, f"{arch} {name}")
-        rep = al.report()
+        rep = al.to_dict()
         result["variants"][name] = {
             "barrier": mid_barrier(alphas, losses), "losses": losses, "stream": al.stream,
             "raw_distance": al.raw_distance, "aligned_distance": al.aligned_distance,
@@ -116,7 +116,7 @@ def figure(alphas: list[float], r: dict, path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     variants = r["variants"]
-    groups = [g for g in GROUPS if g != "none"]
+    groups = [g for g in SUBGROUPS if g != "none"]
     colours = dict(zip(("none", *groups), ("black", "tab:blue", "tab:orange", "tab:green", "tab:red"),
                        strict=True))
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [3, 2]})
