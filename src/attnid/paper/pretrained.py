@@ -35,7 +35,7 @@ from attnid.monitor import Corrector, Monitor
 from attnid.paper.document import Claim, Context, Figure, Section, Table
 from attnid.progress import Progress
 from attnid.stats import median, paired_interval
-from attnid.symmetry.conserved import conserved, flat_key, group_norm
+from attnid.symmetry.conserved import conserved, flat_key, kv_group_norm
 from attnid.weights import SIDES, AttentionWeights, Side
 
 TITLE = "The claims on a pretrained model (all-MiniLM-L6-v2, fine-tuned on CPU)"
@@ -110,8 +110,8 @@ def _rel_drift(stacks: list[AttentionWeights], start: Start) -> dict[Side, list[
     out: dict[Side, list[float]] = {"qk": [], "vo": []}
     for w, c0 in zip(stacks, start, strict=True):
         for side in SIDES:
-            num = group_norm(conserved(w, side) - c0[side], w, side)
-            out[side] += (num / group_norm(c0[side], w, side).clamp_min(1e-300)).flatten().tolist()
+            num = kv_group_norm(conserved(w, side) - c0[side], w, side)
+            out[side] += (num / kv_group_norm(c0[side], w, side).clamp_min(1e-300)).flatten().tolist()
     return out
 
 
