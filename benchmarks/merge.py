@@ -9,11 +9,11 @@ trained from different seeds each part of the symmetry group removes.
    as Hugging Face checkpoints (``merge_train.train_model``): a Llama-style model (RMSNorm,
    SwiGLU, RoPE, GQA, untied head) and a GPT-2-style one (LayerNorm, GELU, learned positions,
    biases, tied head).
-2. For each pair and each variant of the group (`attnid.whole.align.GROUPS`: none,
+2. For each pair and each variant of the group (`attnid.whole.align.SUBGROUPS`: none,
    permutations, orthogonal, rotation, full), each matched on the weights and on activations
    over training text (``--matching``), aligns B onto A and measures the loss along the
    straight path ``(1 - alpha) A + alpha B`` on the held-out 10% of the corpus (the models never
-   trained on it), with A's own tokenizer, blocks of the training context.
+   trained on it), with A's own tokenizer, chunks of the training context.
 3. Prints per variant the mid-point barrier (loss at 0.5 less the mean end loss), its ratio to
    the naive one and the aligned distance; and, for the full group, which part of the distance
    is left per layer (the residual's share per tensor kind). Writes ``merge.json`` and one
@@ -39,10 +39,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attnid.checkpoint.align import CALIBRATION_TOKENS, load_tensors
 from attnid.checkpoint.barrier import Evaluator, mid_barrier, path_losses
 from attnid.checkpoint.load import open_checkpoint
-from attnid.checkpoint.tokens import read_blocks
+from attnid.checkpoint.tokens import read_chunks
 from attnid.checkpoint.units import open_units
 from attnid.progress import Progress
-from attnid.whole.align import GROUPS, align
+from attnid.whole.align import SUBGROUPS, align
 from attnid.whole.transforms.state import ModelTensors
 
 
@@ -72,26 +72,26 @@ def run_pair(arch: str, hf_a: Path, hf_b: Path, data: Path, calibration: Path, m
              alphas: list[float], tokens: int, context: int, shown: Progress) -> dict:
     ck = open_checkpoint(hf_a)
     A, B = load_tensors(open_units(ck)), load_tensors(open_units(open_checkpoint(hf_b)))
-    blocks = read_blocks(ck, data, context=context, max_tokens=tokens)
-    calib = read_blocks(ck, calibration, context=context, max_tokens=CALIBRATION_TOKENS).ids
+    chunks = read_chunks(ck, data, context=context, max_tokens=tokens)
+    calib = read_chunks(ck, calibration, context=context, max_tokens=CALIBRATION_TOKENS).ids
     ev = Evaluator(ck)
-    result: dict = {"tokens": blocks.tokens, "context": context, "calibration_tokens": int(calib.numel()),
+    result: dict = {"tokens": chunks.tokens, "context": context, "calibration_tokens": int(calib.numel()),
                     "variants": {}}
-    runs = [("none", "weights")] + [(g, m) for g in GROUPS[1:] for m in matchings]
-    for group, matching in runs:
-        name = group if group == "none" else f"{group} ({matching})"
+    runs = [("none", "weights")] + [(g, m) for g in SUBGROUPS[1:] for m in matchings]
+    for subgroup, matching in runs:
+        name = subgroup if subgroup == "none" else f"{subgroup} ({matching})"
         t0 = time.perf_counter()
-        al = align(A, B, group=group, calibration=calib if matching == "activations" else None)  # type: ignore[arg-type]
+        al = align(A, B, subgroup=subgroup, calibration=calib if matching == "activations" else None)  # type: ignore[arg-type]
         seconds = time.perf_counter() - t0
-        losses = path_losses(ev, A, al.model, blocks, alphas, shown, f"{arch} {name}")
-        rep = al.report()
+        losses = path_losses(ev, A, al.model, chunks, alphas, shown, f"{arch} {name}")
+        rep = al.to_dict()
         result["variants"][name] = {
             "barrier": mid_barrier(alphas, losses), "losses": losses, "stream": al.stream,
             "raw_distance": al.raw_distance, "aligned_distance": al.aligned_distance,
             "shares": rep["shares"], "align_seconds": seconds,
             "layers": [{"layer": x["layer"], "raw": x["raw_distance"], "aligned": x["aligned_distance"]}
                        for x in rep["layers"]]}
-        if group == "full":
+        if subgroup == "full":
             result[f"full_leftover ({matching})"] = leftover(A, al.model)
         shown.line(f"{arch} {name}: barrier {result['variants'][name]['barrier']:.4f}, distance "
                    f"{al.raw_distance:.2f} -> {al.aligned_distance:.2f} ({seconds:.1f} s)")
@@ -116,14 +116,14 @@ def figure(alphas: list[float], r: dict, path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     variants = r["variants"]
-    groups = [g for g in GROUPS if g != "none"]
-    colours = dict(zip(("none", *groups), ("black", "tab:blue", "tab:orange", "tab:green", "tab:red"),
+    subgroups = [g for g in SUBGROUPS if g != "none"]
+    colours = dict(zip(("none", *subgroups), ("black", "tab:blue", "tab:orange", "tab:green", "tab:red"),
                        strict=True))
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [3, 2]})
     ax.plot(alphas, variants["none"]["losses"], color="black", lw=2, label="naive (no alignment)")
     drawn: dict[tuple[float, ...], list[str]] = {}  # one line per distinct curve (none hidden)
     lines = []
-    for g in groups:
+    for g in subgroups:
         for m, style in (("weights", "-"), ("activations", "--")):
             v = variants.get(f"{g} ({m})")
             if v is None:
@@ -144,15 +144,15 @@ def figure(alphas: list[float], r: dict, path: Path, title: str) -> None:
     ax.set_ylim(top=ax.get_ylim()[1] + 0.35 * (ax.get_ylim()[1] - ax.get_ylim()[0]))  # room for the legend
     width = 0.38
     for k, (m, hatch) in enumerate((("weights", ""), ("activations", "//"))):
-        xs = [i + (k - 0.5) * width for i in range(len(groups))]
+        xs = [i + (k - 0.5) * width for i in range(len(subgroups))]
         ys = [variants[f"{g} ({m})"]["ratio_to_naive"] if f"{g} ({m})" in variants else float("nan")
-              for g in groups]
-        bars = bx.bar(xs, ys, width, color=[colours[g] for g in groups], hatch=hatch, edgecolor="black",
+              for g in subgroups]
+        bars = bx.bar(xs, ys, width, color=[colours[g] for g in subgroups], hatch=hatch, edgecolor="black",
                       label=f"matched on {m}")
         bx.bar_label(bars, fmt="%.2f", fontsize=7)
     bx.axhline(1.0, color="black", lw=1, label="naive")
     bx.axhline(0.2, color="grey", ls=":", lw=1.5, label="aim: a fifth of naive")
-    bx.set_xticks(range(len(groups)), groups, fontsize=8)
+    bx.set_xticks(range(len(subgroups)), subgroups, fontsize=8)
     bx.set_ylabel("mid-point barrier / naive barrier")
     bx.set_ylim(0, 1.5)
     bx.set_title(f"(b) barrier left (naive: {variants['none']['barrier']:.3f} nats)", fontsize=9)

@@ -126,8 +126,8 @@ def test_value_bias_folds_into_output_bias():
     layer = randomize_(Attention(spec).double(), 0)
     before = copy.deepcopy(layer)
     with torch.no_grad():
-        group = torch.arange(spec.n_heads) // spec.group_size
-        layer.b_O += torch.einsum("hv,hvd->d", layer.b_V[group], layer.W_O)
+        kv_group = torch.arange(spec.n_heads) // spec.kv_group_size
+        layer.b_O += torch.einsum("hv,hvd->d", layer.b_V[kv_group], layer.W_O)
         layer.b_V.zero_()
     assert_function_preserved(before, layer, _x(spec, batch=4, length=9), rtol=EXACT)
 

@@ -166,6 +166,13 @@ ALIASES = {
     "barrier --data": (["barrier", "a", "b", "--data", "t.txt"],
                        ["barrier", "a", "b", "--calibration", "t.txt"],
                        ("attnid.checkpoint.barrier", "barrier", _barrier_result)),
+    **{f"{cmd} --group": ([cmd, "a", "b", *out, "--group", "none", "--json"],
+                          [cmd, "a", "b", *out, "--subgroup", "none", "--json"],
+                          ("attnid.checkpoint.align", fn, dict))
+       for cmd, out, fn in (("align", ["o"], "align_checkpoints"), ("merge", ["o"], "merge_checkpoints"))},
+    "barrier --group": (["barrier", "a", "b", "--calibration", "t.txt", "--group", "none"],
+                        ["barrier", "a", "b", "--calibration", "t.txt", "--subgroup", "none"],
+                        ("attnid.checkpoint.barrier", "barrier", _barrier_result)),
     **{f"rewrite {flag} random": (["rewrite", "a", "o", flag, "random"], ["rewrite", "a", "o", flag],
                                   ("attnid.checkpoint.rewrite", "rewrite", _rewrite_result))
        for flag in ("--qk-planes", "--scale-mlp", "--permute-mlp", "--permute-heads")},
@@ -244,7 +251,7 @@ def test_align_says_how_the_stream_was_aligned_once():
                num_hidden_layers=1, intermediate_size=16, vocab_size=11, max_position_embeddings=8,
                type_vocab_size=1)
     said: list[str] = []
-    al = align(tiny_model(cfg, 0), tiny_model(cfg, 1), group="full", progress=said.append)
+    al = align(tiny_model(cfg, 0), tiny_model(cfg, 1), subgroup="full", progress=said.append)
     assert al.stream.startswith("not aligned"), al.stream
     assert said and not any("not aligned" in s for s in said), said
 

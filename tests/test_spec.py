@@ -24,7 +24,7 @@ def test_impossible_specs_are_refused(kwargs, message):
 
 def test_defaults_and_round_trip():
     spec = AttentionSpec(d_model=64, n_heads=8, n_kv_heads=2, bias="vq", rope=0.25)
-    assert (spec.head_dim, spec.v_head_dim, spec.group_size) == (8, 8, 4)
+    assert (spec.head_dim, spec.v_head_dim, spec.kv_group_size) == (8, 8, 4)
     assert (spec.rope_dims, spec.pass_dims) == (2, 6)
     assert spec.bias == frozenset("qv")
     assert AttentionSpec.from_dict(spec.to_dict()) == spec

@@ -108,7 +108,7 @@ def test_property_count_is_consistent(spec: AttentionSpec):
     c = count(spec)
     assert c.total == sum(n for shape in spec.param_shapes().values() for n in [_numel(shape)])
     assert 0 < c.ratio < 1
-    # never fully identified: at least one exactly unidentified dim per key group (VO gauge)
+    # never fully identified: at least one exactly unidentified dim per kv group (VO gauge)
     assert c.unidentified >= spec.n_kv_heads
     for name, comp in c.components.items():  # a block cannot lose more directions than it has
         assert comp.unidentified >= 0 and comp.near_unidentified >= 0, name

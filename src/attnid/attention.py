@@ -56,7 +56,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, *, causal: bool | None = None) -> torch.Tensor:
         q, k, v = self.project_qkv(x)  # (B, H, T, dk), (B, G, T, dk), (B, G, T, dv)
         is_causal = self.causal if causal is None else causal
-        m = self.spec.group_size
+        m = self.spec.kv_group_size
         if m > 1:
             k = k.repeat_interleave(m, dim=1)  # (B, H, T, dk)
             v = v.repeat_interleave(m, dim=1)  # (B, H, T, dv)

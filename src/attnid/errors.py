@@ -1,4 +1,5 @@
-"""The one exception type for user mistakes, and the check for optional dependencies.
+"""The one exception type for user mistakes, the check for optional dependencies, and the
+warning for a renamed keyword.
 
 The CLI turns an :class:`AttnidError` into a single ``error: ...`` line on stderr
 and exit code 2; anything else is a bug and keeps its traceback.
@@ -8,6 +9,10 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import warnings
+from typing import TypeVar
+
+T = TypeVar("T")
 
 # What each extra installs that attnid imports (import names; see pyproject.toml).
 EXTRAS: dict[str, tuple[str, ...]] = {
@@ -52,3 +57,13 @@ def require_extras(*extras: str, what: str) -> None:
         names = [n for ns in missing.values() for n in ns]
         raise AttnidError(f"{what} needs {', '.join(names)}, which {'is' if len(names) == 1 else 'are'} "
                           f"not installed: pip install 'attnid[{','.join(missing)}]'")
+
+
+def renamed_keyword(old: str, new: str, old_value: T | None, value: T) -> T:
+    """``value`` of keyword ``new``, or ``old_value`` given under its old name ``old`` (then
+    with a ``DeprecationWarning``: the old name goes in the next release)."""
+    if old_value is None:
+        return value
+    warnings.warn(f"{old}= is deprecated: write {new}= (the old name goes in the next release)",
+                  DeprecationWarning, stacklevel=3)
+    return old_value

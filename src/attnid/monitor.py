@@ -6,7 +6,7 @@
         loss = model(batch).backward()
         with monitor.step(), corrector.step():     # corrector inside: the monitor sees
             optimizer.step()                       # the update that was applied
-        log(monitor.last.to_dict())                # {"rho_qk": [layer][group], ...}
+        log(monitor.last.to_dict())                # {"rho_qk": [layer][kv_group], ...}
 
 Layers are found through `attnid.layers` (accessors that get/set an `AttentionWeights`);
 attnid's own `Attention` is found there, `attnid.adapters` registers Hugging Face models.
@@ -36,41 +36,41 @@ from attnid.weights import SIDES, AttentionWeights, Side
 
 
 class _Batches:
-    """Layers grouped by spec, read and written as stacked containers.
+    """Layers of one spec stacked into one container (a stack), read and written stack by stack.
 
     When the model is sharded (FSDP2, FSDP1, DeepSpeed ZeRO-3; `attnid.sharding`) each layer is
-    its own group and a snapshot keeps only this process's pieces: a group is gathered whole
+    its own stack and a snapshot keeps only this process's pieces: a stack is gathered whole
     when it is read (:class:`_Gathered`), one layer at a time, never the whole model."""
 
     def __init__(self, model: nn.Module) -> None:
         self.layers = find_layers(model)
-        groups: dict[AttentionSpec, list[int]] = {}
+        by_spec: dict[AttentionSpec, list[int]] = {}
         for i, acc in enumerate(self.layers):
-            groups.setdefault(acc.spec, []).append(i)
-        self.by_spec = list(groups.values())
-        self.groups = self.by_spec
+            by_spec.setdefault(acc.spec, []).append(i)
+        self.by_spec = list(by_spec.values())
+        self.stacks = self.by_spec  # the layer indices of each stack
 
     def snapshot(self, dtype: torch.dtype | None = None, *,
                  unless_equal: Sequence[AttentionWeights] | None = None,
                  into: Sequence[AttentionWeights] | None = None) -> Sequence[AttentionWeights]:
-        """One stacked copy per spec group: in the model's dtype (one copy, no conversion) or
+        """One stacked copy per stack: in the model's dtype (one copy, no conversion) or
         in ``dtype``. ``unless_equal``: an earlier snapshot returned as it is (with the Gram
         matrices it has cached) when the layers still hold exactly its values. ``into``: an
         earlier snapshot in the model's dtype, overwritten in place instead of new memory.
-        Sharded: a :class:`_Gathered` (this process's pieces; read one group at a time)."""
+        Sharded: a :class:`_Gathered` (this process's pieces; read one stack at a time)."""
         shards = [acc.shards() for acc in self.layers]  # the parameters as they are now
         if any(s.sharded for s in shards):
-            self.groups = [[i] for i in range(len(self.layers))]
+            self.stacks = [[i] for i in range(len(self.layers))]
             if isinstance(unless_equal, _Gathered) and unless_equal.holds(shards, dtype):
                 return unless_equal  # what this process holds is unchanged: keep its Gram matrices
             old = into.shards if isinstance(into, _Gathered) and dtype is None else [None] * len(shards)
             return _Gathered([s.copy(o) for s, o in zip(shards, old, strict=True)], dtype)
-        self.groups = self.by_spec
+        self.stacks = self.by_spec
         if not isinstance(unless_equal, list):
             unless_equal = None
         if not isinstance(into, list):
             into = None
-        current = [[shards[i].weights() for i in idx] for idx in self.groups]
+        current = [[shards[i].weights() for i in idx] for idx in self.stacks]
         if unless_equal is not None and all(
                 _equal(layer, old, j) for now, old in zip(current, unless_equal, strict=True)
                 for j, layer in enumerate(now)):
@@ -88,14 +88,14 @@ class _Batches:
             out.append(w if dtype is None or w.W_Q.dtype == dtype else w.to(dtype))
         return out
 
-    def write(self, stacks: Iterable[AttentionWeights]) -> None:
-        """Write stacked weights back (one group at a time), each layer in its own dtype."""
-        for k, w in enumerate(stacks):
-            self.write_group(k, w)
+    def write(self, stacked: Iterable[AttentionWeights]) -> None:
+        """Write stacked weights back (one stack at a time), each layer in its own dtype."""
+        for k, w in enumerate(stacked):
+            self.write_stack(k, w)
 
-    def write_group(self, k: int, w: AttentionWeights) -> None:
-        """Write group ``k``'s stacked weights back; sharded, each process its own slices."""
-        for i, layer_w in zip(self.groups[k], w.unstack(), strict=True):
+    def write_stack(self, k: int, w: AttentionWeights) -> None:
+        """Write stack ``k``'s weights back; sharded, each process its own slices."""
+        for i, layer_w in zip(self.stacks[k], w.unstack(), strict=True):
             self.layers[i].set(layer_w)
 
 
@@ -146,7 +146,7 @@ class LayerStep:
     update_norm: torch.Tensor  # []: ||Δw|| of the layer's update
     metrics: Metrics  # the conserved quantity after the update; drift: over the update
     grad_norm_bq: torch.Tensor | None = None  # [H]: ||grad b_Q|| per head, before the update
-    grad_norm_bk: torch.Tensor | None = None  # [G]: ||grad b_K|| per group
+    grad_norm_bk: torch.Tensor | None = None  # [G]: ||grad b_K|| per kv group
 
     def rho(self, side: Side) -> torch.Tensor:
         return self.rho_qk if side == "qk" else self.rho_vo
@@ -174,7 +174,7 @@ class StepMetrics:
         return torch.cat([layer.rho(side).reshape(-1) for layer in self.layers])
 
     def to_dict(self) -> dict[str, list[Any]]:
-        """The JSON form, indexed ``[layer][group]`` (``update_norm``: ``[layer]``): the keys of
+        """The JSON form, indexed ``[layer][kv_group]`` (``update_norm``: ``[layer]``): the keys of
         `LayerStep.flat`; a bias-gradient key only when every layer has that bias."""
         rows = [layer.flat() for layer in self.layers]
         keys = [k for k in rows[0] if all(k in r for r in rows)] if rows else []
@@ -192,7 +192,7 @@ class Monitor:
     drift`` of the conserved quantity after the step, per side), ``update_norm``, and
     ``grad_norm_bq, grad_norm_bk`` per head when those biases exist (read from ``.grad`` at
     the start of the step); ``last.to_dict()`` is the same as JSON-ready lists indexed
-    ``[layer][group]`` under the flat names ``rho_qk, beta_qk, ...``.
+    ``[layer][kv_group]`` under the flat names ``rho_qk, beta_qk, ...``.
     """
 
     def __init__(self, model: nn.Module, *, near: bool = False) -> None:
@@ -210,7 +210,7 @@ class Monitor:
 
     @property
     def after(self) -> list[AttentionWeights] | None:
-        """The stacked weights (one container per spec group) after the last measured update.
+        """The stacked weights (one container per stack) after the last measured update.
 
         The monitor reuses this memory: it is valid until the next :meth:`end`; ``clone()`` it
         to keep it."""
@@ -222,14 +222,14 @@ class Monitor:
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
-        """Measure the update applied inside the block (``begin`` before, ``end`` after)."""
+        """Measure the update applied inside the ``with`` statement (``begin`` before, ``end`` after)."""
         self.begin()
         yield
         self.end()
 
     def begin(self, *, grads: bool = True) -> None:
         """Before an update: read the bias gradients and the current point. For loops whose
-        hooks cannot wrap the update in one block (a `Trainer` callback). ``grads=False``:
+        hooks cannot wrap the update in one ``with`` statement (a `Trainer` callback). ``grads=False``:
         called before the backward pass (there are no gradients yet): no gradient norms."""
         self._grads = self._bias_grads() if grads else [(None, None)] * len(self.batches.layers)
         # usually the last end point itself: no copy, its Gram matrices and spectra known
@@ -252,7 +252,7 @@ class Monitor:
         self._before = None
         if not any(bool(layer.update_norm) for layer in self.last.layers):
             warnings.warn("attnid: no attention weight moved during the monitored step, so every rho "
-                          "reads 0; the optimizer stepped outside the block, skipped the step, or "
+                          "reads 0; the optimizer stepped outside the `with`, skipped the step, or "
                           "updates a copy of the weights attnid cannot see", stacklevel=2)
         return self.last
 
@@ -283,9 +283,9 @@ class Monitor:
 
     def measure(self, before: list[AttentionWeights], after: list[AttentionWeights]) -> StepMetrics:
         """What the update from ``before`` to ``after`` (snapshots: one stacked container per
-        spec group) did to every layer."""
+        stack) did to every layer."""
         layers: list[LayerStep] = [None] * len(self.batches.layers)  # type: ignore[list-item]
-        for k, (idx, w0, w1) in enumerate(zip(self.batches.groups, before, after, strict=True)):
+        for k, (idx, w0, w1) in enumerate(zip(self.batches.stacks, before, after, strict=True)):
             delta = self._difference(k, w1, w0)  # in the model's dtype; the small rest is float64
             m = metrics(w0, w1)
             p = {side: project(w0, delta, side, near=self.near) for side in SIDES}
@@ -295,7 +295,7 @@ class Monitor:
         return StepMetrics(tuple(layers))
 
     def _difference(self, k: int, w1: AttentionWeights, w0: AttentionWeights) -> AttentionWeights:
-        """``w1 - w0`` for group ``k``, written into the monitor's update buffer for its spec."""
+        """``w1 - w0`` for stack ``k``, written into the monitor's update buffer for its spec."""
         buf = self._delta.get(w1.spec)
         if buf is None or any(buf[n].shape != t.shape or buf[n].device != t.device
                               or buf[n].dtype != torch.result_type(t, w0[n]) for n, t in w1.items()):
@@ -325,10 +325,10 @@ class Corrector:
         self.steps += 1
         if self.kind == "project":
             after = self.batches.snapshot(torch.float64)
-            self.batches.write(w0 + remove_tangent(w0, w1 - w0, near=self.near)  # one group at a time
+            self.batches.write(w0 + remove_tangent(w0, w1 - w0, near=self.near)  # one stack at a time
                                for w0, w1 in zip(before, after, strict=True))
         elif self.kind == "rebalance" and self.steps % self.every == 0:
-            self.batches.write(rebalance(w, group="auto") for w in self.batches.snapshot(torch.float64))
+            self.batches.write(rebalance(w, subgroup="auto") for w in self.batches.snapshot(torch.float64))
 
 
 def parse_correction(correction: str) -> tuple[str, int]:

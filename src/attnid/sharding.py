@@ -153,7 +153,7 @@ class DTensorShards(Placement):
         return None if g is None else g.full_tensor()
 
 
-def _all_gather(piece: torch.Tensor | None, group, sizes: list[int], like: torch.Tensor
+def _all_gather(piece: torch.Tensor | None, process_group, sizes: list[int], like: torch.Tensor
                 ) -> torch.Tensor | None:
     """Every process's ``piece`` (of the given sizes, in rank order) concatenated; a process
     without one (None) takes part with zeros, and None comes back when no process had one."""
@@ -165,7 +165,7 @@ def _all_gather(piece: torch.Tensor | None, group, sizes: list[int], like: torch
         buf[: piece.numel()] = piece.reshape(-1)
         buf[-1] = 1
     out = [torch.empty_like(buf) for _ in sizes]
-    dist.all_gather(out, buf, group=group)
+    dist.all_gather(out, buf, group=process_group)
     if not any(bool(t[-1]) for t in out):
         return None
     return torch.cat([t[:n] for t, n in zip(out, sizes, strict=True)])
@@ -179,14 +179,14 @@ class FlatShards(Placement):
 
     sharded = True
 
-    def __init__(self, param: torch.Tensor, shape: tuple[int, ...], group, sizes: list[int],
+    def __init__(self, param: torch.Tensor, shape: tuple[int, ...], process_group, sizes: list[int],
                  rank: int) -> None:
         super().__init__(param, shape)
-        self.group, self.sizes, self.rank = group, sizes, rank
+        self.process_group, self.sizes, self.rank = process_group, sizes, rank
 
     def full(self, piece: torch.Tensor | None = None) -> torch.Tensor:
         piece = self.piece() if piece is None else piece
-        return _all_gather(piece, self.group, self.sizes, piece).view(self.shape)
+        return _all_gather(piece, self.process_group, self.sizes, piece).view(self.shape)
 
     def write_(self, full: torch.Tensor) -> None:
         start = sum(self.sizes[: self.rank])
@@ -195,7 +195,7 @@ class FlatShards(Placement):
 
     def grad(self) -> torch.Tensor | None:
         # a process whose run is empty may hold no gradient: it takes part all the same
-        g = _all_gather(self.param.grad, self.group, self.sizes, self.param)
+        g = _all_gather(self.param.grad, self.process_group, self.sizes, self.param)
         return None if g is None else g.view(self.shape)
 
 
@@ -215,9 +215,10 @@ class ZeroShards(Placement):
         import torch.distributed as dist
 
         piece = self.piece() if piece is None else piece
-        group = self.param.ds_process_group
-        out = torch.empty(piece.numel() * dist.get_world_size(group), dtype=piece.dtype, device=piece.device)
-        dist.all_gather_into_tensor(out, piece.reshape(-1), group=group)
+        process_group = self.param.ds_process_group
+        out = torch.empty(piece.numel() * dist.get_world_size(process_group), dtype=piece.dtype,
+                          device=piece.device)
+        dist.all_gather_into_tensor(out, piece.reshape(-1), group=process_group)
         return out[: math.prod(self.shape)].view(self.shape)
 
     def write_(self, full: torch.Tensor) -> None:
@@ -278,22 +279,22 @@ def _flat_placements(flat: dict[str, tuple[torch.Tensor, nn.Module]], shapes: Ma
                      paths: Mapping[str, str]) -> dict[str, FlatShards]:
     import torch.distributed as dist
 
-    groups = {id(u.process_group): u.process_group for _, u in flat.values()}
-    if len(groups) != 1:
+    process_groups = {id(u.process_group): u.process_group for _, u in flat.values()}
+    if len(process_groups) != 1:
         raise AttnidError("one attention layer spread over several FSDP process groups")
-    group = next(iter(groups.values()))
+    process_group = next(iter(process_groups.values()))
     mine = torch.tensor([p.numel() for p, _ in flat.values()], dtype=torch.int64)
-    world = dist.get_world_size(group)
+    world = dist.get_world_size(process_group)
     every = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(every, mine, group=group)
-    rank = dist.get_rank(group)
+    dist.all_gather(every, mine, group=process_group)
+    rank = dist.get_rank(process_group)
     out = {}
     for k, (n, (p, _)) in enumerate(flat.items()):
         sizes = [int(e[k]) for e in every]
         shape = tuple(shapes[n])
         if sum(sizes) != math.prod(shape):
             raise AttnidError(_changed(paths[n], p, (sum(sizes),), shape))
-        out[n] = FlatShards(p, shape, group, sizes, rank)
+        out[n] = FlatShards(p, shape, process_group, sizes, rank)
     return out
 
 

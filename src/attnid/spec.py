@@ -92,9 +92,11 @@ class AttentionSpec:
 
     # ---- derived sizes -------------------------------------------------------------
     @property
-    def group_size(self) -> int:
+    def kv_group_size(self) -> int:
         """Query heads per key/value group, H / G."""
         return self.n_heads // self.n_kv_heads  # type: ignore[operator]
+
+    group_size = kv_group_size  # deprecated alias (one release): the old name of kv_group_size
 
     @property
     def rope_dims(self) -> int:

@@ -15,7 +15,8 @@ from typing import Any, Literal
 from attnid.spec import AttentionSpec
 
 NormKind = Literal["layer", "rms"]
-Layout = Literal["pre", "parallel", "post"]
+ResidualLayout = Literal["pre", "parallel", "post"]  # where the norms sit on the residual stream
+Layout = ResidualLayout  # deprecated alias (one release): attnid.whole.transforms.Layout is the class
 MLPKind = Literal["gelu", "silu", "relu", "gated"]
 FunctionKind = Literal["logprobs", "hidden"]
 
@@ -47,7 +48,7 @@ class Structure:
     norm: NormKind
     norm_bias: bool  # LayerNorm with a bias (RMSNorm never has one)
     eps: float  # the residual norms' epsilon
-    layout: Layout  # pre-LN, parallel attention + MLP (GPT-NeoX, Falcon, Phi-2), post-LN (BERT)
+    layout: ResidualLayout  # pre-LN, parallel attention + MLP (GPT-NeoX, Falcon, Phi-2), post-LN (BERT)
     shared_norm: bool  # parallel layout reading one norm for attention and MLP (Falcon-7B)
     mlp: MLPKind
     d_ff: int

@@ -166,17 +166,20 @@ def pass_mask(spec: AttentionSpec, like: torch.Tensor) -> torch.Tensor:
     return m
 
 
-def group_sum_out(w: AttentionWeights) -> torch.Tensor:
+def kv_group_sum_out(w: AttentionWeights) -> torch.Tensor:
     """``Wsum_g = sum_{h in g} W_O^h``: ``[..., G, dv, d]``."""
     s = w.spec
     W = w.W_O
-    if s.group_size == 1:  # one head per group: W_O itself (a view, no copy)
+    if s.kv_group_size == 1:  # one head per kv group: W_O itself (a view, no copy)
         return W
-    return W.reshape(*W.shape[:-3], s.n_kv_heads, s.group_size, *W.shape[-2:]).sum(-3)
+    return W.reshape(*W.shape[:-3], s.n_kv_heads, s.kv_group_size, *W.shape[-2:]).sum(-3)
 
 
-def _grouped(x: torch.Tensor, G: int) -> torch.Tensor:
-    """``[..., H, a, b] -> [..., G, a, b]`` summed over each group's heads."""
+group_sum_out = kv_group_sum_out  # deprecated alias (one release)
+
+
+def _kv_grouped(x: torch.Tensor, G: int) -> torch.Tensor:
+    """``[..., H, a, b] -> [..., G, a, b]`` summed over each kv group's heads."""
     return x.reshape(*x.shape[:-3], G, x.shape[-3] // G, *x.shape[-2:]).sum(-3)
 
 
@@ -195,7 +198,7 @@ def memoised(w: AttentionWeights, key: object, compute: Callable[[], T]) -> T:
 
 
 def grams(w: AttentionWeights, side: Side) -> tuple[torch.Tensor, torch.Tensor]:
-    """(left, right) Gram matrices per group: ``[..., G, k, k]`` each (cached on ``w``).
+    """(left, right) Gram matrices per kv group: ``[..., G, k, k]`` each (cached on ``w``).
 
     QK: ``(sum_{h in g} W~_Q^hT W~_Q^h, W~_K^gT W~_K^g)``; VO: ``(W~_V^T W~_V, sum W_O W_O^T)``.
     """
@@ -208,7 +211,7 @@ def _grams(w: AttentionWeights, side: Side) -> tuple[torch.Tensor, torch.Tensor]
         a = w.W_Q.transpose(-1, -2) @ w.W_Q
         if w.b_Q is not None:
             a = a + w.b_Q.unsqueeze(-1) * w.b_Q.unsqueeze(-2)
-        left = _grouped(a, s.n_kv_heads)
+        left = _kv_grouped(a, s.n_kv_heads)
         right = w.W_K.transpose(-1, -2) @ w.W_K
         if w.b_K is not None:
             right = right + w.b_K.unsqueeze(-1) * w.b_K.unsqueeze(-2)
@@ -216,5 +219,5 @@ def _grams(w: AttentionWeights, side: Side) -> tuple[torch.Tensor, torch.Tensor]
     left = w.W_V.transpose(-1, -2) @ w.W_V
     if w.b_V is not None:
         left = left + w.b_V.unsqueeze(-1) * w.b_V.unsqueeze(-2)
-    right = _grouped(w.W_O @ w.W_O.transpose(-1, -2), s.n_kv_heads)
+    right = _kv_grouped(w.W_O @ w.W_O.transpose(-1, -2), s.n_kv_heads)
     return left, right

@@ -191,13 +191,13 @@ def _bad_cases(p: dict, root: Path, tmp: Path) -> dict[str, tuple[list, str]]:
         "other-architecture-barrier": (["barrier", a, p["gpt2"]["a"], "--calibration", text],
                                        "not the same architecture"),
         "missing-data": (["barrier", a, b, "--calibration", tmp / "none.txt"], "--calibration"),
-        "short-data": (["barrier", a, b, "--calibration", root / "short.txt"], "fewer than one block"),
+        "short-data": (["barrier", a, b, "--calibration", root / "short.txt"], "fewer than one chunk"),
         "missing-calibration": (["align", a, b, out, "--calibration", tmp / "none.txt"], "--calibration"),
         "missing-tokenizer": (["barrier", root / "bare", b, "--calibration", text], "tokenizer"),
         "alpha-high": (["merge", a, b, out, "--alpha", "1.5"], "--alpha"),
         "alpha-nan": (["merge", a, b, out, "--alpha", "nan"], "--alpha"),
         "alphas-two": (["barrier", a, b, "--calibration", text, "--alphas", "2"], "--alphas"),
-        "group": (["align", a, b, out, "--group", "rotations"], "--group"),
+        "subgroup": (["align", a, b, out, "--subgroup", "rotations"], "--subgroup"),
         "out-is-a": (["align", a, b, a], "OUT_DIR"),
         "out-is-b": (["merge", a, b, b], "OUT_DIR"),
         "out-not-empty": (["align", a, b, root], "not empty"),
@@ -210,7 +210,7 @@ def _bad_cases(p: dict, root: Path, tmp: Path) -> dict[str, tuple[list, str]]:
 
 CASE_NAMES = ["other-architecture-align", "other-architecture-merge", "other-architecture-barrier",
               "missing-data", "short-data", "missing-calibration", "missing-tokenizer", "alpha-high",
-              "alpha-nan", "alphas-two", "group", "out-is-a", "out-is-b", "out-not-empty", "plot-folder",
+              "alpha-nan", "alphas-two", "subgroup", "out-is-a", "out-is-b", "out-not-empty", "plot-folder",
               "plot-format", "context", "missing-model"]
 
 

@@ -170,12 +170,12 @@ def _prefix(kind: str, i: int) -> str:
 
 
 def rotate_values(t: dict, kind: str, i: int, seed: int, bias: str = "right") -> None:
-    """R2: per key/value group an orthogonal ``C``: values ``C^T v``, the group's heads' output
+    """R2: per key/value group an orthogonal ``C``: values ``C^T v``, the kv group's heads' output
     columns ``W_O^h C``; the value bias ``C^T b`` (``bias="none"``: forgotten; ``"wrong"``: the
     bias of all groups viewed as ``[dv, G]`` instead of ``[G, dv]``)."""
-    groups = G if kind in ("llama", "llama-tied", "llama-tied-gain", "qwen2") else H
+    kv_groups = G if kind in ("llama", "llama-tied", "llama-tied-gain", "qwen2") else H
     Cs = [torch.linalg.qr(torch.randn(DK, DK, generator=GEN(seed + g), dtype=torch.float64))[0]
-          for g in range(groups)]
+          for g in range(kv_groups)]
     p = _prefix(kind, i)
     out = "attn.c_proj" if kind == "gpt2" else "attention.dense" if kind == "neox" else "self_attn.o_proj"
     Wo = _lin(t, f"{p}{out}.weight", kind).clone()
@@ -188,7 +188,7 @@ def rotate_values(t: dict, kind: str, i: int, seed: int, bias: str = "right") ->
             b = t[f"{p}{name}.bias"].clone()
             b[rows] = C.T @ b[rows]
             t[f"{p}{name}.bias"] = b
-        for h in range(g * H // groups, (g + 1) * H // groups):
+        for h in range(g * H // kv_groups, (g + 1) * H // kv_groups):
             Wo[:, h * DK:(h + 1) * DK] = Wo[:, h * DK:(h + 1) * DK] @ C
     _set(t, f"{p}{out}.weight", kind, Wo)
     if bias == "wrong":  # a GQA value bias rotated with the shapes mixed up
@@ -197,7 +197,7 @@ def rotate_values(t: dict, kind: str, i: int, seed: int, bias: str = "right") ->
 
 
 def qk_transform(t: dict, i: int, seed: int, commute: bool = True) -> None:
-    """FPTQuant-style: per group ``M`` (``q -> M^T q``, ``k -> M^{-1} k``), a scaled rotation on
+    """FPTQuant-style: per kv group ``M`` (``q -> M^T q``, ``k -> M^{-1} k``), a scaled rotation on
     each RoPE plane ``(j, j + dk/2)``; ``commute=False``: any invertible ``M`` (the bug)."""
     gen = GEN(seed)
     p = _prefix("llama", i)

@@ -57,7 +57,7 @@ def test_tiny_llama_trainer_run(tmp_path, correction):
     lines = (tmp_path / "attnid_metrics.jsonl").read_text().splitlines()
     assert len(lines) == steps
     rec = json.loads(lines[-1])
-    assert len(rec["layers"]) == 2 and len(rec["rho_qk"][0]) == 2  # [layer][group]
+    assert len(rec["layers"]) == 2 and len(rec["rho_qk"][0]) == 2  # [layer][kv_group]
     logged = [h for h in trainer.state.log_history if "attnid/rho_qk/median" in h]
     assert len(logged) == steps
     assert spy.seen and all("attnid/beta_vo/layer1/max" in s for s in spy.seen if "loss" in s)

@@ -90,7 +90,7 @@ def test_full_gl_rebalance_refused_under_rope():
     spec = AttentionSpec(d_model=12, n_heads=3, rope=1.0)
     w, _ = _setup(spec)
     with pytest.raises(AttnidError, match="RoPE"):
-        rebalance(w, group="gl")
+        rebalance(w, subgroup="gl")
 
 
 def test_batched_over_layers_matches_one_by_one():

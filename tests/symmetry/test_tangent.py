@@ -98,14 +98,14 @@ def test_isotropic_updates_average_the_tangent_share(spec: AttentionSpec):
 @pytest.mark.parametrize("spec", VARIANTS, ids=IDS)
 def test_rho_from_grams_equals_rho_of_the_formed_tangent(spec: AttentionSpec):
     # rho is computed from generators and Gram matrices; forming the tangent must agree
-    from attnid.symmetry.projection import _group_sq
+    from attnid.symmetry.projection import _kv_group_sq
 
     w = _weights(spec, 3)
     gen = torch.Generator().manual_seed(3)
     delta = w.map(lambda t: torch.randn(t.shape, generator=gen, dtype=t.dtype))
     for side in ("qk", "vo"):
         p = project(w, delta, side)
-        formed = _group_sq(p.tangent, w, side) / _group_sq(p.delta, w, side)
+        formed = _kv_group_sq(p.tangent, w, side) / _kv_group_sq(p.delta, w, side)
         err = float((p.rho - formed).abs().max())
         assert err < 1e-10, f"rho_{side} from Grams vs formed tangent: {err:.2e}"
         total = sum(float((t**2).sum()) for t in p.tangent.values())

@@ -176,8 +176,8 @@ def test_new_variants_train_with_the_monitor(arch, tmp_path):
     summary = train(cfg, tmp_path / arch, progress=False, checkpoint=False, hf=True)
     records = [json.loads(ln) for ln in (tmp_path / arch / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["loss"] < records[0]["loss"] - 0.5, [r["loss"] for r in records]
-    groups = model.attention_spec().n_kv_heads  # the Monitor's metrics: one per key/value group
-    assert len(records[-1]["rho_qk"][0]) == groups and len(records[-1]["beta_vo"][0]) == groups
+    kv_groups = model.attention_spec().n_kv_heads  # the Monitor's metrics: one per key/value group
+    assert len(records[-1]["rho_qk"][0]) == kv_groups and len(records[-1]["beta_vo"][0]) == kv_groups
     assert "val_loss" in records[-1] and all(r["rho_qk"][0][0] >= 0 for r in records)
     assert summary.hf is not None and summary.hf.error < 1e-10
     saved = json.loads((tmp_path / arch / "summary.json").read_text())

@@ -18,7 +18,7 @@ from attnid.testing.catalogue import TRANSFORM_FAMILIES as FAMILIES
 from attnid.testing.models import model_function as function
 from attnid.testing.models import random_element as element
 from attnid.whole import transforms as T
-from attnid.whole.align import GROUPS, align
+from attnid.whole.align import SUBGROUPS, align
 from attnid.whole.align.gauges import objective, pair_fit, scalar_fit
 from attnid.whole.check import tiny_model
 from attnid.whole.transforms.permutation import residual_permutation
@@ -46,7 +46,7 @@ def function_error(B, aligned: T.ModelTensors) -> float:
 def test_a_random_element_aligns_back_exactly(family):
     A = tiny_model(FAMILIES[family], seed=0)
     B = T.apply_element(A, element(A))
-    al = align(A, B, group="full")
+    al = align(A, B, subgroup="full")
     rel = al.aligned_distance / al.raw_distance
     assert al.raw_distance > 1.0 and rel < 1e-12, f"{family}: aligned/raw = {rel:.1e}"
     err = function_error(B, al.model)
@@ -59,7 +59,7 @@ def test_a_permuted_stream_aligns_back_exactly(family):
     A = tiny_model(FAMILIES[family], seed=0)
     d = A.config.hidden_size
     B = residual_permutation(T.apply_element(A, element(A)), torch.randperm(d, generator=gen(4)))
-    al = align(A, B, group="full")
+    al = align(A, B, subgroup="full")
     assert al.aligned_distance < 1e-12 * al.raw_distance, (family, al.stream, al.aligned_distance)
     assert function_error(B, al.model) < TOLERANCE[torch.float64]
 
@@ -69,52 +69,52 @@ def test_calibration_matching_aligns_back_exactly(family):
     A = tiny_model(FAMILIES[family], seed=0)
     B = T.apply_element(A, element(A))
     ids = torch.randint(0, A.config.vocab_size, (4, 6), generator=gen(2))
-    al = align(A, B, group="full", calibration=ids)
+    al = align(A, B, subgroup="full", calibration=ids)
     assert "activations" in al.stream, al.stream
     assert al.aligned_distance < 1e-10 * al.raw_distance, (family, al.aligned_distance)
 
 
 CASES = [pytest.param(f, g, id=f"{f}-{g}") for f in ("llama-gqa", "qwen2-bias-gqa", "gpt2-untied",
                                                      "neox-parallel", "bert", "llama-tied", "phi3")
-         for g in GROUPS]
+         for g in SUBGROUPS]
 
 
-@pytest.mark.parametrize(("family", "group"), CASES)
-def test_every_variant_keeps_b_function(family, group):
+@pytest.mark.parametrize(("family", "subgroup"), CASES)
+def test_every_variant_keeps_b_function(family, subgroup):
     """Two unrelated models (seeds 0 and 1): whatever part of the group is used, the result
     computes B's function."""
     A, B = (tiny_model(FAMILIES[family], seed=s) for s in (0, 1))
-    al = align(A, B, group=group)
+    al = align(A, B, subgroup=subgroup)
     err = function_error(B, al.model)
-    assert err < TOLERANCE[torch.float64], f"{family} {group}: differs from B by {err:.1e}"
+    assert err < TOLERANCE[torch.float64], f"{family} {subgroup}: differs from B by {err:.1e}"
     # the reported distances are the distances of the weights (recomputed here, a tied table once)
     for name, got, other in (("raw", al.raw_distance, dict(B.named_parameters())),
                              ("aligned", al.aligned_distance, al.model.tensors)):
         want = sum(float(((p.detach() - other[n].detach().to(p.dtype)) ** 2).sum())
                    for n, p in A.named_parameters()) ** 0.5
-        assert abs(got - want) <= 1e-9 * want, f"{family} {group}: {name} distance {got} != {want}"
+        assert abs(got - want) <= 1e-9 * want, f"{family} {subgroup}: {name} distance {got} != {want}"
 
 
 def test_a_tied_table_counts_once_in_float32():
     """A float32 model's tied table is one tensor after the float64 conversion too."""
     A, B = (tiny_model(FAMILIES["llama-tied"], seed=s).float() for s in (0, 1))
-    al = align(A, B, group="none")
+    al = align(A, B, subgroup="none")
     want = sum(float(((p.detach().double() - q.detach().double()) ** 2).sum())
                for p, q in zip(A.parameters(), B.parameters(), strict=True)) ** 0.5
     assert abs(al.raw_distance - want) <= 1e-9 * want, f"raw distance {al.raw_distance} != {want}"
 
 
 @pytest.mark.parametrize("family", ["llama-gqa", "gpt2-untied", "neox-parallel", "llama-tied"])
-def test_larger_groups_bring_b_closer(family):
+def test_larger_subgroups_bring_b_closer(family):
     A, B = (tiny_model(dict(FAMILIES[family]), seed=s) for s in (0, 1))
-    d = {g: align(A, B, group=g).aligned_distance for g in GROUPS}
+    d = {g: align(A, B, subgroup=g).aligned_distance for g in SUBGROUPS}
     assert d["orthogonal"] <= d["permutations"] + 1e-9, d
     assert d["full"] <= d["rotation"] + 1e-9, d
     assert d["full"] < d["none"], d
 
 
 def test_rope_qk_gauge_stays_in_the_commutant():
-    """A full invertible Q/K map per group changes a RoPE model's function (so it is no
+    """A full invertible Q/K map per kv group changes a RoPE model's function (so it is no
     symmetry and `query_key_transform` refuses it); every Q/K gauge the aligner fits on two
     unrelated models lies in the commutant."""
     cfg = FAMILIES["llama-gqa"]
@@ -130,7 +130,7 @@ def test_rope_qk_gauge_stays_in_the_commutant():
     assert err > 1e-3, f"a GL Q/K map under RoPE kept the function ({err:.1e})"
     with pytest.raises(AttnidError, match="commute with RoPE"):
         T.query_key_transform(A, 0, M)
-    al = align(A, B, group="full")
+    al = align(A, B, subgroup="full")
     for i, le in enumerate(al.element.layers):
         gap = float((project_commutant(le.qk, s) - le.qk).norm() / le.qk.norm())
         assert gap < 1e-12, f"layer {i}: the fitted Q/K gauge leaves the commutant by {gap:.1e}"
@@ -139,15 +139,15 @@ def test_rope_qk_gauge_stays_in_the_commutant():
 def test_inputs_are_not_modified():
     A, B = (tiny_model(FAMILIES["qwen2-bias-gqa"], seed=s) for s in (0, 1))
     before = [{k: v.clone() for k, v in m.state_dict().items()} for m in (A, B)]
-    align(A, B, group="full")
+    align(A, B, subgroup="full")
     for m, snap in zip((A, B), before, strict=True):
         assert all(torch.equal(v, snap[k]) for k, v in m.state_dict().items())
 
 
-def test_unknown_group_and_other_architectures_are_refused():
+def test_unknown_subgroup_and_other_architectures_are_refused():
     A = tiny_model(FAMILIES["llama-gqa"], seed=0)
-    with pytest.raises(AttnidError, match="unknown group"):
-        align(A, A, group="rotations")  # type: ignore[arg-type]
+    with pytest.raises(AttnidError, match="unknown subgroup"):
+        align(A, A, subgroup="rotations")  # type: ignore[arg-type]
     with pytest.raises(AttnidError, match="not the same architecture"):
         align(A, tiny_model(FAMILIES["gpt2-untied"], seed=0))
 
@@ -217,6 +217,6 @@ def test_a_calibration_too_large_for_memory_is_refused(monkeypatch):
     need = 2 * activations.activation_bytes(T.ModelTensors.of(A), ids.numel())
     monkeypatch.setattr(activations, "ACTIVATION_BYTES", need - 1)
     with pytest.raises(AttnidError, match="give a file of at most about"):
-        align(A, B, group="full", calibration=ids)
+        align(A, B, subgroup="full", calibration=ids)
     monkeypatch.setattr(activations, "ACTIVATION_BYTES", need)
-    assert align(A, B, group="full", calibration=ids).aligned_distance >= 0
+    assert align(A, B, subgroup="full", calibration=ids).aligned_distance >= 0

@@ -208,7 +208,7 @@ class Adapter:
         """Same structure, small sizes: few heads (same grouping), small head size."""
         s = self.spec(c)
         G = 1 if s.n_kv_heads == 1 else 2
-        H = G * (1 if s.group_size == 1 else 2)
+        H = G * (1 if s.kv_group_size == 1 else 2)
         dk = 8 if s.rope_dims and s.pass_dims else 4
         explicit = s.head_dim * s.n_heads != s.d_model
         d = H * dk + (2 if explicit else 0)

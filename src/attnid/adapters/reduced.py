@@ -35,8 +35,8 @@ def verify_hf_config(model: str, *, seed: int = 0, confirm: bool | None = None) 
             exact.load_state_dict(m.state_dict())
             return exact
 
-    changed = "" if full.group_size == spec.group_size else (
-        f"; group size {full.group_size} reduced to {spec.group_size}")
+    changed = "" if full.kv_group_size == spec.kv_group_size else (
+        f"; kv group size {full.kv_group_size} reduced to {spec.kv_group_size}")
     arch = (config.get("architectures") or [adapter.model_type])[0]
     return verify_module(module, count(spec), label=f"{name} (attention of {arch}, reduced: "
                          f"{spec.describe()}{changed})", seed=seed,

@@ -20,12 +20,12 @@ import torch
 
 from attnid.checkpoint.load import Checkpoint, open_checkpoint
 from attnid.checkpoint.output import check_out_dir, staged, verify_end_to_end
-from attnid.checkpoint.tokens import read_blocks
+from attnid.checkpoint.tokens import read_chunks
 from attnid.checkpoint.units import Units, open_units
 from attnid.errors import AttnidError
 from attnid.io import DTYPES, write_streaming
 from attnid.progress import Progress
-from attnid.whole.align import GROUPS, align
+from attnid.whole.align import SUBGROUPS, align
 from attnid.whole.transforms.state import ModelTensors
 
 CALIBRATION_TOKENS = 8192  # at most this many calibration tokens are run through both models
@@ -113,27 +113,28 @@ def certify(units: Units, b: ModelTensors, out: ModelTensors, stream_permutation
     return max((x.residual for x in residuals), default=0.0), f.tolerance
 
 
-def check_group(group: str) -> None:
-    if group not in GROUPS:
-        raise AttnidError(f"--group {group}: one of {', '.join(GROUPS)}")
+def check_subgroup(subgroup: str) -> None:
+    if subgroup not in SUBGROUPS:
+        raise AttnidError(f"--subgroup {subgroup}: one of {', '.join(SUBGROUPS)}")
 
 
-def align_checkpoints(model_a: str | Path, model_b: str | Path, out_dir: str | Path, *, group: str = "full",
+def align_checkpoints(model_a: str | Path, model_b: str | Path, out_dir: str | Path, *,
+                      subgroup: str = "full",
                       calibration: str | Path | None = None, force: bool = False,
                       end_to_end_max_bytes: int = 2 * 1024**3, progress: Progress | None = None
                       ) -> dict[str, Any]:
-    """Write B aligned onto A into ``out_dir``, certified; returns the report (see the module)."""
+    """Write B aligned onto A into ``out_dir``, certified; returns its JSON (see the module)."""
     start = time.perf_counter()
-    check_group(group)
+    check_subgroup(subgroup)
     a, b, ua, ub = open_pair(model_a, model_b, purpose="align")
     apart(Path(out_dir).resolve(), a, "A")
     _, dst = check_out_dir(b.root, out_dir, force)
     calib = None
     if calibration is not None:  # A's tokenizer, before any work
-        calib = read_blocks(a, calibration, option="--calibration", max_tokens=CALIBRATION_TOKENS).ids
+        calib = read_chunks(a, calibration, option="--calibration", max_tokens=CALIBRATION_TOKENS).ids
     shown = progress if progress is not None else Progress(enabled=False)
     A, B = load_tensors(ua), load_tensors(ub)
-    al = align(A, B, group=group, calibration=calib, progress=shown.line)  # type: ignore[arg-type]
+    al = align(A, B, subgroup=subgroup, calibration=calib, progress=shown.line)  # type: ignore[arg-type]
     stored = as_stored(ub, al.model)
     worst, tol = certify(ub, B, stored, al.stream_permutation)
     shown.line(f"certified against B: worst residual {worst:.2e} (rounding level {tol:.1e})")
@@ -142,7 +143,7 @@ def align_checkpoints(model_a: str | Path, model_b: str | Path, out_dir: str | P
         e2e = verify_end_to_end(b, tmp, end_to_end_max_bytes, what="aligned")
     return {"model_a": str(a.path), "model_b": str(b.path), "out_dir": str(dst),
             "architecture": a.adapter.family, "dtype": str(b.dtype()).split(".")[-1],
-            "matching": "weights" if calib is None else "activations", **al.report(),
+            "matching": "weights" if calib is None else "activations", **al.to_dict(),
             "certified": True, "max_residual": worst, "tolerance": tol,
             "end_to_end_rel_diff": e2e, "seconds": time.perf_counter() - start}
 
@@ -167,29 +168,31 @@ def interpolate(A: ModelTensors, B: ModelTensors, alpha: float) -> ModelTensors:
 
 
 def merge_checkpoints(model_a: str | Path, model_b: str | Path, out_dir: str | Path, *, alpha: float = 0.5,
-                      aligned: bool = False, group: str = "full", force: bool = False,
+                      aligned: bool = False, subgroup: str = "full", force: bool = False,
                       progress: Progress | None = None) -> dict[str, Any]:
     """Write ``(1 - alpha) A + alpha B`` (B aligned onto A first when ``aligned``) into
-    ``out_dir`` in A's files and dtype; returns the report."""
+    ``out_dir`` in A's files and dtype; returns its JSON."""
     start = time.perf_counter()
     check_alpha(alpha)
-    check_group(group)
+    check_subgroup(subgroup)
     a, b, ua, ub = open_pair(model_a, model_b, purpose="merge")
     apart(Path(out_dir).resolve(), b, "B")
     _, dst = check_out_dir(a.root, out_dir, force)
     shown = progress if progress is not None else Progress(enabled=False)
     A, B = load_tensors(ua), load_tensors(ub)
-    report: dict[str, Any] = {}
+    aligned_keys: dict[str, Any] = {}
     if aligned:
-        al = align(A, B, group=group, progress=shown.line)  # type: ignore[arg-type]
+        al = align(A, B, subgroup=subgroup, progress=shown.line)  # type: ignore[arg-type]
         worst, _ = certify(ub, B, as_stored(ub, al.model), al.stream_permutation)
         B = al.model
-        report = {"max_residual": worst, "group": group, "stream": al.stream, "raw_distance": al.raw_distance,
+        aligned_keys = {"max_residual": worst, "subgroup": subgroup,
+                  "group": subgroup,  # deprecated alias key (one release)
+                  "stream": al.stream, "raw_distance": al.raw_distance,
                   "aligned_distance": al.aligned_distance}
     merged = interpolate(A, B, alpha)
     with staged(dst, a.root, {f.path.name for f in a.files}) as tmp:
         write_tensors(ua, merged, tmp)
         open_checkpoint(tmp, purpose="merge")  # reads back: header, tensors and shapes as A's
     return {"model_a": str(a.path), "model_b": str(b.path), "out_dir": str(dst),
-            "architecture": a.adapter.family, "alpha": alpha, "aligned": aligned, **report,
+            "architecture": a.adapter.family, "alpha": alpha, "aligned": aligned, **aligned_keys,
             "seconds": time.perf_counter() - start}

@@ -32,7 +32,7 @@ from attnid.checkpoint.load import Checkpoint, open_checkpoint
 from attnid.stats import median
 from attnid.symmetry.conserved import Metrics, flat_key, metrics
 from attnid.symmetry.rebalance import rebalance_qk, rebalance_vo
-from attnid.weights import SIDES, AttentionWeights, Side, grams, group_sum_out
+from attnid.weights import SIDES, AttentionWeights, Side, grams, kv_group_sum_out
 
 WEIGHTS = ("W_Q", "W_K", "W_V", "W_O")
 
@@ -44,7 +44,7 @@ def weights_only(w: AttentionWeights) -> AttentionWeights:
 
 
 def imbalance(w: AttentionWeights, m: Metrics, side: Side) -> torch.Tensor:
-    """``beta / (||G_left|| + ||G_right||)`` per group, in [0, 1]: ``[..., G]`` (QK-norm QK side:
+    """``beta / (||G_left|| + ||G_right||)`` per kv group, in [0, 1]: ``[..., G]`` (QK-norm QK side:
     ``[...]``). ``m``: ``metrics(w)``."""
     if side == "qk" and w.spec.qk_norm != "none":
         scale = (w.g_Q**2).norm(dim=-1) + (w.g_K**2).norm(dim=-1)
@@ -148,8 +148,8 @@ def audit_layer(w: AttentionWeights, layer: int = 0) -> LayerAudit:
         kbi = hidden / total.clamp_min(1e-300)
     foldable = None
     if w.b_V is not None:
-        foldable = float(torch.einsum("gv,gvd->d", w.b_V, group_sum_out(w)).norm())
-    bal = rebalance_vo(rebalance_qk(core, group="auto", align=True, bias_rows=False),
+        foldable = float(torch.einsum("gv,gvd->d", w.b_V, kv_group_sum_out(w)).norm())
+    bal = rebalance_vo(rebalance_qk(core, subgroup="auto", align=True, bias_rows=False),
                        align=True, fold=False, bias_rows=False)
     removed = sum(float(((bal[n] - w[n]) ** 2).sum()) for n in WEIGHTS) ** 0.5
     size = sum(float((w[n] ** 2).sum()) for n in WEIGHTS) ** 0.5
@@ -165,22 +165,22 @@ def audit(model: str | Path | Checkpoint) -> Audit:
     return Audit(str(ck.path), ck.adapter.family, dtype, ck.specs[0].describe(), layers)
 
 
-def heat_map(report: Audit, path: str | Path) -> None:
+def heat_map(result: Audit, path: str | Path) -> None:
     """PNG: imbalance_qk and imbalance_vo, layers x key/value groups."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 0.4 * len(report.layers) + 2), squeeze=False)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 0.4 * len(result.layers) + 2), squeeze=False)
     for ax, side in zip(axes[0], SIDES, strict=True):
-        grid = [layer.imbalance(side).reshape(-1).tolist() for layer in report.layers]
+        grid = [layer.imbalance(side).reshape(-1).tolist() for layer in result.layers]
         im = ax.imshow(grid, aspect="auto", cmap="magma", vmin=0.0, vmax=max(1e-12, max(map(max, grid))))
         ax.set_title(f"{flat_key('imbalance', side)} (0 = balanced, 1 = most unbalanced)", fontsize=9)
         ax.set_xlabel("key/value group (head)")
         ax.set_ylabel("layer")
         fig.colorbar(im, ax=ax)
-    fig.suptitle(f"attnid audit: {report.model}", fontsize=9)
+    fig.suptitle(f"attnid audit: {result.model}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -2,7 +2,7 @@
 checkpoints of one causal language model, before and after B is aligned onto A
 (docs/theory.md §13.20). The mid-point barrier is the loss at ``alpha = 0.5`` less the mean
 of the two end losses. The text is tokenized with A's own tokenizer (read offline) and cut
-into blocks of the model's context; the loss is the mean next-token cross-entropy (nats).
+into chunks of the model's context; the loss is the mean next-token cross-entropy (nats).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from attnid.checkpoint.load import Checkpoint
-from attnid.checkpoint.tokens import Batches, read_blocks
+from attnid.checkpoint.tokens import Batches, read_chunks
 from attnid.errors import AttnidError
 from attnid.progress import Progress
 from attnid.whole.transforms.state import ModelTensors
@@ -91,33 +91,34 @@ def check_alphas(n: int) -> list[float]:
 
 
 def barrier(model_a: str | Path, model_b: str | Path, data: str | Path, *, aligned: bool = False,
-            group: str = "full", alphas: int = 11, context: int | None = None, max_tokens: int = 65536,
+            subgroup: str = "full", alphas: int = 11, context: int | None = None, max_tokens: int = 65536,
             progress: Progress | None = None) -> dict[str, Any]:
     """The losses along the path (naive; and aligned with ``aligned``) and their barriers."""
-    from attnid.checkpoint.align import as_stored, certify, check_group, load_tensors, open_pair
+    from attnid.checkpoint.align import as_stored, certify, check_subgroup, load_tensors, open_pair
     from attnid.whole.align import align
 
     start = time.perf_counter()
     ts = check_alphas(alphas)
-    check_group(group)
+    check_subgroup(subgroup)
     a, b, ua, ub = open_pair(model_a, model_b, purpose="barrier")
     check_causal(a)
-    blocks = read_blocks(a, data, context=context, max_tokens=max_tokens, option="--calibration")
+    chunks = read_chunks(a, data, context=context, max_tokens=max_tokens, option="--calibration")
     shown = progress if progress is not None else Progress(enabled=False)
     A, B = load_tensors(ua), load_tensors(ub)
     ev = Evaluator(a)
-    curves = {"naive": path_losses(ev, A, B, blocks, ts, shown, "naive")}
+    curves = {"naive": path_losses(ev, A, B, chunks, ts, shown, "naive")}
     distances = {"naive": None}
     if aligned:
-        al = align(A, B, group=group, progress=shown.line)  # type: ignore[arg-type]
+        al = align(A, B, subgroup=subgroup, progress=shown.line)  # type: ignore[arg-type]
         certify(ub, B, as_stored(ub, al.model), al.stream_permutation)  # still B's function
-        curves["aligned"] = path_losses(ev, A, al.model, blocks, ts, shown, "aligned")
+        curves["aligned"] = path_losses(ev, A, al.model, chunks, ts, shown, "aligned")
         end, want = curves["aligned"][-1], curves["naive"][-1]
         if abs(end - want) > END_LOSS_RTOL * abs(want):  # the aligned B is B: the same loss
             raise AttnidError(f"refused: aligned B's loss {end:.6f} is not B's {want:.6f}")
         distances = {"raw": al.raw_distance, "aligned": al.aligned_distance}
-    return {"model_a": str(a.path), "model_b": str(b.path), "data": str(data), "tokens": blocks.tokens,
-            "context": int(blocks.ids.shape[1]), "alphas": ts, "group": group if aligned else None,
+    return {"model_a": str(a.path), "model_b": str(b.path), "data": str(data), "tokens": chunks.tokens,
+            "context": int(chunks.ids.shape[1]), "alphas": ts, "subgroup": subgroup if aligned else None,
+            "group": subgroup if aligned else None,  # deprecated alias key (one release)
             "losses": curves, "barriers": {k: mid_barrier(ts, v) for k, v in curves.items()},
             "distances": distances if aligned else None, "seconds": time.perf_counter() - start}
 

@@ -1,7 +1,7 @@
 """`attnid canonicalize`: function-preserving surgery on a real checkpoint.
 
 For every attention layer: drop the key bias where it is unidentified, fold the value bias
-into the output bias, and balance QK (``W_Q^T W_Q = W_K^T W_K`` per group; under RoPE only
+into the output bias, and balance QK (``W_Q^T W_Q = W_K^T W_K`` per kv group; under RoPE only
 within the commutant) and VO; optionally fold every absorbable norm gain into its readers.
 The checkpoint is read through `attnid.checkpoint.load.Checkpoint` (the one reader) and
 written one tensor at a time (`attnid.io.write_streaming`), so peak memory is one layer.
@@ -44,7 +44,7 @@ def canonicalize(in_dir: str | Path, out_dir: str | Path, *, drop_key_bias: bool
                  fold_value_bias: bool | None = None, balance: bool | None = None,
                  fold_norms: bool = False, force: bool = False,
                  end_to_end_max_bytes: int = 2 * 1024**3) -> dict[str, Any]:
-    """Canonicalize a checkpoint directory; returns the report. See the module docstring.
+    """Canonicalize a checkpoint directory; returns its JSON. See the module docstring.
 
     ``None`` for an operation means: do it wherever it applies to the architecture.
     """
@@ -166,7 +166,7 @@ def transform(w: AttentionWeights, ops: Operations, stats: dict[str, Any]) -> At
         w = fold_value_bias_into_output(w)
         stats["value_bias_folded"] += 1
     if ops.balance:
-        w = rebalance_qk(w, group="auto", align=True, bias_rows=False)
+        w = rebalance_qk(w, subgroup="auto", align=True, bias_rows=False)
         w = rebalance_vo(w, align=True, fold=False, bias_rows=False)
         stats["heads_balanced"] += s.n_heads
     return w

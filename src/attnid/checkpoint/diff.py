@@ -67,7 +67,7 @@ def covers(lay: Layout, rotation: str) -> list[str]:
 def diff(model_a: str | Checkpoint, model_b: str | Checkpoint, *, probes: int | None = None,
          progress: Progress | None = None) -> dict[str, Any]:
     """Compare two checkpoints of one architecture modulo the whole-model symmetry group
-    (`attnid.whole.fit.fit`, streamed one unit at a time); the report of `attnid diff`."""
+    (`attnid.whole.fit.fit`, streamed one unit at a time); the JSON of `attnid diff`."""
     a = model_a if isinstance(model_a, Checkpoint) else open_checkpoint(model_a)
     b = model_b if isinstance(model_b, Checkpoint) else open_checkpoint(model_b)
     if a.adapter.family != b.adapter.family or a.specs != b.specs:
@@ -93,10 +93,10 @@ def diff(model_a: str | Checkpoint, model_b: str | Checkpoint, *, probes: int | 
         raise AttnidError(f"{a.path} and {b.path} are not the same architecture (tied vs untied?)")
     shown = progress if progress is not None else Progress(enabled=False)
     f = fit(ua, ub, probe_k=probes, progress=shown.line)
-    return report(a, b, ua, f)
+    return to_dict(a, b, ua, f)
 
 
-def report(a: Checkpoint, b: Checkpoint, units: Units, f: Fit) -> dict[str, Any]:
+def to_dict(a: Checkpoint, b: Checkpoint, units: Units, f: Fit) -> dict[str, Any]:
     """The JSON of `attnid diff` from a fit (names in checkpoint terms)."""
     L = len(units.layout.layers)
     tol = f.tolerance

@@ -4,7 +4,7 @@ real checkpoint, verified before anything is written.
 Steps (any subset; docs/theory.md §13): fold the norm gains into their readers; rotate the
 residual stream (QuaRot's and SpinQuant's R1: a Hadamard matrix or a random rotation; under
 LayerNorm one that fixes all-ones); rotate each key/value group's values (R2, value biases
-included); transform each group's queries and keys inside the RoPE commutant (FPTQuant-style
+included); transform each kv group's queries and keys inside the RoPE commutant (FPTQuant-style
 per-plane scaled rotations, any invertible map on pass-through dims); scale MLP neurons (ReLU:
 positive; gated: the up half); permute MLP neurons, and heads within and across key/value
 groups. The random parts are drawn from ``seed`` into one
@@ -128,7 +128,7 @@ def _values(kind: Rotation | None, s, gen: torch.Generator) -> torch.Tensor | No
 
 def rewrite(in_dir: str | Path, out_dir: str | Path, recipe: Recipe, *, force: bool = False,
             end_to_end_max_bytes: int = 2 * 1024**3, progress: Progress | None = None) -> dict[str, Any]:
-    """Rewrite a checkpoint directory by ``recipe``; returns the report. See the module."""
+    """Rewrite a checkpoint directory by ``recipe``; returns its JSON. See the module."""
     start = time.perf_counter()
     if not recipe.any():
         raise AttnidError("nothing to do: give at least one of --fold-norms, --rotate-residual, "

@@ -1,5 +1,5 @@
 """Text for the loss and for calibration: a text file tokenized with a checkpoint's own
-tokenizer (read offline, transformers' AutoTokenizer) and cut into blocks of the model's
+tokenizer (read offline, transformers' AutoTokenizer) and cut into chunks of the model's
 context. Refused before any work: a missing, unreadable or too short file, no tokenizer next
 to the checkpoint, token ids beyond the model's vocabulary."""
 
@@ -17,7 +17,7 @@ from attnid.errors import AttnidError
 
 @dataclass(frozen=True)
 class Batches:
-    """Token blocks ``[n, T]`` of the data, evaluated ``batch`` blocks at a time."""
+    """Token chunks ``[n, T]`` of the data, evaluated ``batch`` chunks at a time."""
 
     ids: torch.Tensor
     batch: int = 16
@@ -34,9 +34,9 @@ def context_of(config: dict[str, Any]) -> int:
     return 512
 
 
-def read_blocks(ck: Checkpoint, data: str | Path, *, context: int | None = None,
+def read_chunks(ck: Checkpoint, data: str | Path, *, context: int | None = None,
                 max_tokens: int = 65536, option: str = "--data") -> Batches:
-    """The text of ``data`` tokenized by ``ck``'s tokenizer, in blocks of ``context`` tokens
+    """The text of ``data`` tokenized by ``ck``'s tokenizer, in chunks of ``context`` tokens
     (at most the model's, 256 by default), at most ``max_tokens`` in all. Refused before any
     work: a missing, unreadable or too short file; no tokenizer next to the checkpoint."""
     path = Path(data)
@@ -54,13 +54,13 @@ def read_blocks(ck: Checkpoint, data: str | Path, *, context: int | None = None,
     ids = tok(text[: 64 * max_tokens], return_attention_mask=False, verbose=False)["input_ids"]
     n = min(len(ids), max_tokens) // T
     if n < 1:
-        raise AttnidError(f"{option} {data}: {len(ids)} tokens, fewer than one block of {T}")
+        raise AttnidError(f"{option} {data}: {len(ids)} tokens, fewer than one chunk of {T}")
     vocab = int(ck.config.get("vocab_size") or 0)
-    blocks = torch.tensor(ids[: n * T], dtype=torch.long).reshape(n, T)
-    if vocab and int(blocks.max()) >= vocab:
-        raise AttnidError(f"the tokenizer of {ck.root} gives ids up to {int(blocks.max())}, beyond the "
+    chunks = torch.tensor(ids[: n * T], dtype=torch.long).reshape(n, T)
+    if vocab and int(chunks.max()) >= vocab:
+        raise AttnidError(f"the tokenizer of {ck.root} gives ids up to {int(chunks.max())}, beyond the "
                           f"model's vocabulary of {vocab}")
-    return Batches(blocks)
+    return Batches(chunks)
 
 
 def load_tokenizer(ck: Checkpoint) -> Any:

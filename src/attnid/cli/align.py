@@ -11,9 +11,10 @@ from attnid.cli.app import Json, app, console, emit_json, narrow_table, sized_pr
 
 ModelA = Annotated[str, typer.Argument(help="Reference checkpoint A (directory, config.json, .safetensors).")]
 ModelB = Annotated[str, typer.Argument(help="Checkpoint B of the same architecture.")]
-GroupOpt = Annotated[str, typer.Option(
-    "--group", help="Which part of the symmetry group to align with: none, permutations, orthogonal "
-                    "(and per-group orthogonal Q/K, V/O maps), rotation (the stream rotated), full.")]
+SubgroupOpt = Annotated[str, typer.Option(
+    "--subgroup", help="Which subgroup of the symmetry group to align with: none, permutations, "
+                       "orthogonal (and per-kv-group orthogonal Q/K, V/O maps), rotation (the stream "
+                       "rotated), full.")]
 Force = Annotated[bool, typer.Option("--force", help="Replace a non-empty OUT_DIR.")]
 
 
@@ -23,7 +24,7 @@ def align_cmd(
     model_b: ModelB,
     out_dir: Annotated[str, typer.Argument(
         help="Where B aligned onto A goes (B's function, A's coordinates).")],
-    group: GroupOpt = "full",
+    subgroup: SubgroupOpt = "full",
     calibration: Annotated[str | None, typer.Option(
         "--calibration", help="Match heads, neurons and the stream on activations over this text file "
                               "(tokenized with A's tokenizer) instead of on the weights.")] = None,
@@ -37,8 +38,8 @@ def align_cmd(
     from attnid.errors import require_extras
 
     require_extras("hf", what="attnid align")
-    r = align_checkpoints(model_a, model_b, out_dir, group=group, calibration=calibration, force=force,
-                          progress=sized_progress(model_a, model_b, above=2**26))
+    r = align_checkpoints(model_a, model_b, out_dir, subgroup=subgroup, calibration=calibration,
+                          force=force, progress=sized_progress(model_a, model_b, above=2**26))
     if json_out:
         emit_json(r)
         return
@@ -52,8 +53,8 @@ def align_cmd(
 def _print_alignment(r: dict) -> None:
     from attnid.whole.align import PARTS
 
-    table = narrow_table(f"{r['model_b']} aligned onto {r['model_a']} ({r['architecture']}, group "
-                         f"{r['group']})", ["layer", "raw distance", "aligned distance",
+    table = narrow_table(f"{r['model_b']} aligned onto {r['model_a']} ({r['architecture']}, subgroup "
+                         f"{r['subgroup']})", ["layer", "raw distance", "aligned distance",
                                             *(f"{p} share" for p in PARTS)])
     rows = [("embeddings", r["embeddings"]), *((str(x["layer"]), x) for x in r["layers"]),
             ("head", r["head"]), ("total", r)]
@@ -76,7 +77,7 @@ def merge_cmd(
     out_dir: Annotated[str, typer.Argument(help="Where the merged checkpoint goes (A's files and dtype).")],
     alpha: Annotated[float, typer.Option("--alpha", help="Weight of B, in [0, 1].")] = 0.5,
     align: Annotated[bool, typer.Option("--align", help="Align B onto A first (attnid align).")] = False,
-    group: GroupOpt = "full",
+    subgroup: SubgroupOpt = "full",
     force: Force = False,
     json_out: Json = False,
 ) -> None:
@@ -85,12 +86,12 @@ def merge_cmd(
     from attnid.errors import require_extras
 
     require_extras("hf", what="attnid merge")
-    r = merge_checkpoints(model_a, model_b, out_dir, alpha=alpha, aligned=align, group=group, force=force,
-                          progress=sized_progress(model_a, model_b, above=2**26))
+    r = merge_checkpoints(model_a, model_b, out_dir, alpha=alpha, aligned=align, subgroup=subgroup,
+                          force=force, progress=sized_progress(model_a, model_b, above=2**26))
     if json_out:
         emit_json(r)
         return
-    how = (f"B aligned onto A (group {r['group']}: distance {r['raw_distance']:.4g} -> "
+    how = (f"B aligned onto A (subgroup {r['subgroup']}: distance {r['raw_distance']:.4g} -> "
            f"{r['aligned_distance']:.4g})" if align else "B as stored (no alignment)")
     typer.echo(f"written {out_dir}: (1 - {alpha:g}) A + {alpha:g} B, {how}")
 
@@ -102,10 +103,10 @@ def barrier_cmd(
     calibration: Annotated[str, typer.Option(
         "--calibration", help="Text file the loss is measured on (A's tokenizer).")],
     align: Annotated[bool, typer.Option("--align", help="Also the path to B aligned onto A.")] = False,
-    group: GroupOpt = "full",
+    subgroup: SubgroupOpt = "full",
     alphas: Annotated[int, typer.Option("--alphas", help="Points along the path, ends included.")] = 11,
     context: Annotated[int | None, typer.Option(
-        "--context", help="Tokens per block (default: the model's context, at most 256).")] = None,
+        "--context", help="Tokens per chunk (default: the model's context, at most 256).")] = None,
     max_tokens: Annotated[int, typer.Option(
         "--max-tokens", help="At most this many tokens of the data.")] = 65536,
     plot: Annotated[str | None, typer.Option(
@@ -128,9 +129,10 @@ def barrier_cmd(
             raise AttnidError(f"--plot {plot}: its folder does not exist")
         _check_format(plot)
     if max_tokens < 2:
-        raise AttnidError(f"--max-tokens {max_tokens}: at least one block of 2 tokens")
-    r = barrier(model_a, model_b, calibration, aligned=align, group=group, alphas=alphas, context=context,
-                max_tokens=max_tokens, progress=sized_progress(model_a, model_b, above=2**26))
+        raise AttnidError(f"--max-tokens {max_tokens}: at least one chunk of 2 tokens")
+    r = barrier(model_a, model_b, calibration, aligned=align, subgroup=subgroup, alphas=alphas,
+                context=context, max_tokens=max_tokens,
+                progress=sized_progress(model_a, model_b, above=2**26))
     if plot:
         plot_path(r["alphas"], r["losses"], plot, f"{Path(r['model_a']).name} -> {Path(r['model_b']).name}")
     if json_out:

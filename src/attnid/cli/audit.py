@@ -37,13 +37,13 @@ def audit_cmd(
         if not Path(plot).resolve().parent.is_dir():
             raise AttnidError(f"--plot {plot}: its folder does not exist")
         _check_format(plot)
-    report = audit(model)
+    result = audit(model)
     if plot:
-        heat_map(report, plot)
+        heat_map(result, plot)
     if json_out:
-        emit_json(report.to_dict())
+        emit_json(result.to_dict())
         return
-    _print(report)
+    _print(result)
 
 
 def _check_format(plot: str) -> None:
@@ -63,11 +63,11 @@ def _check_format(plot: str) -> None:
                           f"{', '.join('.' + f for f in formats)}")
 
 
-def _print(report: Audit) -> None:
-    table = narrow_table(f"{report.model}  ({report.architecture}, {report.spec}, {report.dtype})",
+def _print(result: Audit) -> None:
+    table = narrow_table(f"{result.model}  ({result.architecture}, {result.spec}, {result.dtype})",
                          ["layer", "imbalance_qk med/max", "imbalance_vo med/max", "tau_qk med",
                           "tau_vo med", "key bias invisible", "b_V foldable", "removable norm (share)"])
-    for layer in report.layers:
+    for layer in result.layers:
         r = layer.row()
         table.add_row(str(r["layer"]), f"{r['imbalance_qk_median']:.3f}/{r['imbalance_qk_max']:.3f}",
                       f"{r['imbalance_vo_median']:.3f}/{r['imbalance_vo_max']:.3f}",
@@ -77,7 +77,7 @@ def _print(report: Audit) -> None:
                       f"{r['removable_norm']:.3g} ({r['removable_share']:.3f})")
     out = console()
     out.print(table)
-    s = report.summary
+    s = result.summary
     out.print(f"imbalance_qk median {s.imbalance_qk_median:.3f} max {s.imbalance_qk_max:.3f}   "
               f"imbalance_vo median {s.imbalance_vo_median:.3f} max {s.imbalance_vo_max:.3f}\n"
               f"removable norm {s.removable_norm:.3g}")

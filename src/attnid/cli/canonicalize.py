@@ -19,7 +19,7 @@ def canonicalize_cmd(
     fold_value_bias: Annotated[bool | None, typer.Option(
         "--fold-value-bias/--keep-value-bias", help="Fold b_V into b_O.")] = None,
     balance: Annotated[bool | None, typer.Option(
-        "--balance/--no-balance", help="Balance QK and VO per head/group.")] = None,
+        "--balance/--no-balance", help="Balance QK and VO per head/kv group.")] = None,
     fold_norms: Annotated[bool, typer.Option(
         "--fold-norms", help="Fold every absorbable norm gain into its readers (gain 1).")] = False,
     force: Annotated[bool, typer.Option("--force", help="Replace a non-empty OUT_DIR.")] = False,

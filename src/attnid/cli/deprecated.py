@@ -43,6 +43,7 @@ RENAMES: tuple[Rename, ...] = (
     Rename("train", "--out", "OUT", "positional"),
     Rename("train", "--preset", "--scale"),
     Rename("barrier", "--data", "--calibration"),
+    *(Rename(command, "--group", "--subgroup") for command in ("align", "merge", "barrier")),
     *(Rename("rewrite", flag, flag, "boolean", "random")
       for flag in ("--qk-planes", "--scale-mlp", "--permute-mlp", "--permute-heads")),
 )

@@ -22,7 +22,7 @@ def rewrite_cmd(
         "--rotate-values", help="Rotate each key/value group's values and its heads' output rows "
                                 "(R2).")] = None,
     qk_planes: Annotated[bool, typer.Option(
-        "--qk-planes", help="Random per-group Q/K transforms in the RoPE commutant.")] = False,
+        "--qk-planes", help="Random per-kv-group Q/K transforms in the RoPE commutant.")] = False,
     scale_mlp: Annotated[bool, typer.Option(
         "--scale-mlp", help="Random positive per-neuron MLP scales (ReLU; gated: the up half).")] = False,
     permute_mlp: Annotated[bool, typer.Option(

@@ -36,7 +36,7 @@ from transformers import TrainerCallback  # noqa: E402
 
 from attnid.monitor import Corrector, Monitor, parse_correction  # noqa: E402
 from attnid.stats import flat, median  # noqa: E402
-from attnid.symmetry.conserved import conserved, flat_key, group_norm  # noqa: E402
+from attnid.symmetry.conserved import conserved, flat_key, kv_group_norm  # noqa: E402
 from attnid.weights import SIDES, Side  # noqa: E402
 
 METRICS = ("rho_qk", "rho_vo", "beta_qk", "beta_vo", "drift_qk", "drift_vo", "drift_from_start_qk",
@@ -125,14 +125,14 @@ class AttnidCallback(TrainerCallback):
             state.log_history[-1].update(extra)
 
     def _drift_from_start(self) -> dict[str, list]:
-        """``drift_from_start_{qk,vo}``, ``[layer][group]``: how far each conserved quantity has
+        """``drift_from_start_{qk,vo}``, ``[layer][kv_group]``: how far each conserved quantity has
         moved since training started, ``||C_t - C_0||`` (``drift_*`` is one update's, as in the
         Monitor)."""
         n = len(self.monitor.layer_names)
         out: dict[str, list] = {flat_key("drift_from_start", side): [None] * n for side in SIDES}
-        for idx, w, c0 in zip(self.monitor.batches.groups, self.monitor.after, self._start, strict=True):
+        for idx, w, c0 in zip(self.monitor.batches.stacks, self.monitor.after, self._start, strict=True):
             for side in SIDES:
-                d = group_norm(conserved(w, side) - c0[side], w, side)  # [n, G]
+                d = kv_group_norm(conserved(w, side) - c0[side], w, side)  # [n, G]
                 for j, i in enumerate(idx):
                     out[flat_key("drift_from_start", side)][i] = d[j].tolist()
         return out

@@ -78,7 +78,7 @@ def _naive_qk(w: AttentionWeights) -> torch.Tensor:
     s = w.spec
     Q = w.W_Q if w.b_Q is None else torch.cat([w.W_Q, w.b_Q.unsqueeze(-2)], dim=-2)  # [..., H, d+1, dk]
     K = w.W_K if w.b_K is None else torch.cat([w.W_K, w.b_K.unsqueeze(-2)], dim=-2)  # [..., G, d+1, dk]
-    K = K.repeat_interleave(s.group_size, dim=-3)  # [..., H, d(+1), dk]
+    K = K.repeat_interleave(s.kv_group_size, dim=-3)  # [..., H, d(+1), dk]
     return Q.transpose(-1, -2) @ Q - K.transpose(-1, -2) @ K
 
 
@@ -253,8 +253,8 @@ def update_anatomy(run_dir: Path, draws: int = 3) -> Anatomy:
     opt = make_optimizer(cfg, model)
     opt.load_state_dict(state["optimizer"])
     _gradient(model, cfg)
-    group = opt.param_groups[0]
-    beta1, beta2 = group["betas"]
+    param_group = opt.param_groups[0]
+    beta1, beta2 = param_group["betas"]
     first = next(iter(opt.state.values()))
     t = float(first["step"]) + 1
     bc1, bc2 = 1 - beta1**t, 1 - beta2**t
@@ -263,7 +263,7 @@ def update_anatomy(run_dir: Path, draws: int = 3) -> Anatomy:
         st = opt.state[p]
         m = beta1 * st["exp_avg"] + (1 - beta1) * p.grad  # m after this gradient
         v = beta2 * st["exp_avg_sq"] + (1 - beta2) * p.grad.square()
-        return m / bc1, (v / bc2).sqrt() + group["eps"]
+        return m / bc1, (v / bc2).sqrt() + param_group["eps"]
 
     gen = torch.Generator().manual_seed(0)
     ingredients: dict[str, Callable[[str, torch.nn.Parameter], torch.Tensor]] = {

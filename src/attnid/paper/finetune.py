@@ -36,7 +36,7 @@ from attnid.errors import AttnidError
 from attnid.monitor import Corrector, Monitor
 from attnid.progress import Progress
 from attnid.stats import median, paired_interval
-from attnid.symmetry.conserved import conserved, group_norm
+from attnid.symmetry.conserved import conserved, kv_group_norm
 from attnid.weights import SIDES, AttentionWeights, Side
 
 ADAMW_LR = 1e-4
@@ -150,8 +150,8 @@ def _rel_drift(stacks: Any, start: Start) -> dict[Side, list[float]]:
     out: dict[Side, list[float]] = {"qk": [], "vo": []}
     for w, c0 in zip(stacks, start, strict=True):
         for side in SIDES:
-            num = group_norm(conserved(w, side) - c0[side], w, side)
-            out[side] += (num / group_norm(c0[side], w, side).clamp_min(1e-300)).flatten().tolist()
+            num = kv_group_norm(conserved(w, side) - c0[side], w, side)
+            out[side] += (num / kv_group_norm(c0[side], w, side).clamp_min(1e-300)).flatten().tolist()
     return out
 
 

@@ -150,8 +150,8 @@ def _bias_demos(d: int) -> tuple[float, float]:
         shift = torch.randn_like(layer.b_K)
         layer.b_K += 100 * shift / shift.norm()
         kb = float((layer(x) - y).norm() / y.norm())
-        group = torch.arange(spec.n_heads) // spec.group_size
-        layer.b_O += torch.einsum("hv,hvd->d", layer.b_V[group], layer.W_O)
+        kv_group = torch.arange(spec.n_heads) // spec.kv_group_size
+        layer.b_O += torch.einsum("hv,hvd->d", layer.b_V[kv_group], layer.W_O)
         layer.b_V.zero_()
         fold = float((layer(x) - y).norm() / y.norm())
     return kb, fold

@@ -65,7 +65,7 @@ def lr_axis(ax, lrs) -> None:
 
 
 # ---- measurements on one run ------------------------------------------------------------------
-def _groups(run: RunData, side: Side) -> int:
+def _kv_groups(run: RunData, side: Side) -> int:
     """Heads (key/value groups) per layer on one side."""
     return run.side(side).beta.shape[1] // run.update_norm_layers.shape[1]
 
@@ -74,7 +74,7 @@ def bound_series(run: RunData, side: Side) -> np.ndarray:
     """``[S-1, L*G]``: each head's bound after each logged step, its layer's ``sum ||d_side||^2``
     over every step after the first."""
     cum = np.cumsum(run.side(side).update_sq[1:], axis=0)  # [S-1, L]
-    return np.repeat(cum, _groups(run, side), axis=1)
+    return np.repeat(cum, _kv_groups(run, side), axis=1)
 
 
 def ratio_series(run: RunData, side: Side, rounding: float = 0.0) -> np.ndarray:

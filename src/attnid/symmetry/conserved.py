@@ -1,8 +1,8 @@
-"""Conserved quantities of gradient flow and the paper's metrics, per head/group, QK and VO
+"""Conserved quantities of gradient flow and the paper's metrics, per head/kv group, QK and VO
 (docs/theory.md §9).
 
-Gradients are orthogonal to the orbit, so gradient flow conserves, per key group,
-``C_QK = sum_{h in g} W~_Q^hT W~_Q^h - W~_K^gT W~_K^g`` and per value group
+Gradients are orthogonal to the orbit, so gradient flow conserves, per kv group,
+``C_QK = sum_{h in g} W~_Q^hT W~_Q^h - W~_K^gT W~_K^g`` and per kv group
 ``C_VO = W~_V^gT W~_V^g - sum_{h in g} W_O^h W_O^hT`` (``~``: bias row appended). Under
 RoPE only the commutant part is conserved (pass-through block, and per plane the
 difference of squared norms); under QK-norm, the per-dim ``g_Q^2 - g_K^2`` (tied in planes).
@@ -38,20 +38,26 @@ def conserved(w: AttentionWeights, side: Side) -> torch.Tensor:
 
 def _is_vector(w: AttentionWeights, side: Side) -> bool:
     """Whether ``conserved(w, side)`` is one vector per layer (QK-norm's QK side), not a
-    matrix per group."""
+    matrix per kv group."""
     return side == "qk" and w.spec.qk_norm != "none"
 
 
-def group_norm(C: torch.Tensor, w: AttentionWeights, side: Side) -> torch.Tensor:
+def kv_group_norm(C: torch.Tensor, w: AttentionWeights, side: Side) -> torch.Tensor:
     """Frobenius norm of a conserved quantity (or of a difference of two) of ``w``'s spec:
     ``[..., G]`` (QK-norm QK side: ``[...]``)."""
     return C.norm(dim=-1) if _is_vector(w, side) else C.flatten(-2).norm(dim=-1)
 
 
-def group_trace(C: torch.Tensor, w: AttentionWeights, side: Side) -> torch.Tensor:
+group_norm = kv_group_norm  # deprecated alias (one release)
+
+
+def kv_group_trace(C: torch.Tensor, w: AttentionWeights, side: Side) -> torch.Tensor:
     """Trace of a conserved quantity (or of a difference of two) of ``w``'s spec: ``[..., G]``
     (QK-norm QK side: the sum of the vector, ``[...]``)."""
     return C.sum(-1) if _is_vector(w, side) else C.diagonal(dim1=-2, dim2=-1).sum(-1)
+
+
+group_trace = kv_group_trace  # deprecated alias (one release)
 
 
 @dataclass(frozen=True)
@@ -96,7 +102,7 @@ class Metrics:
 
 
 def metrics(before: AttentionWeights, after: AttentionWeights | None = None) -> Metrics:
-    """The paper's metrics per group (``[..., G]``; QK-norm QK side per layer ``[...]``).
+    """The paper's metrics per kv group (``[..., G]``; QK-norm QK side per layer ``[...]``).
 
     ``beta = ||C||_F``, ``tau = trace C``, ``mu = lambda_min(G_left) + lambda_min(G_right)``
     and, when ``after`` is given (metrics then refer to ``after``), ``drift = ||C_after -
@@ -109,8 +115,8 @@ def metrics(before: AttentionWeights, after: AttentionWeights | None = None) -> 
         # from the eigendecomposition the projection at this point reuses (symmetry.spectra)
         left, right = smallest_eigenvalues(point, side)
         sides[side] = SideMetrics(
-            beta=group_norm(C, point, side),
-            tau=group_trace(C, point, side),
+            beta=kv_group_norm(C, point, side),
+            tau=kv_group_trace(C, point, side),
             mu=left + right,
-            drift=None if after is None else group_norm(C - conserved(before, side), point, side))
+            drift=None if after is None else kv_group_norm(C - conserved(before, side), point, side))
     return Metrics(**sides)

@@ -12,7 +12,7 @@ import torch
 
 from attnid.rope import project_commutant, project_tied
 from attnid.symmetry.tangent import TangentMap
-from attnid.weights import AttentionWeights, group_sum_out, pass_mask
+from attnid.weights import AttentionWeights, kv_group_sum_out, pass_mask
 
 
 @dataclass(frozen=True)
@@ -53,8 +53,8 @@ def random_gauge(w: AttentionWeights, *, scale: float = 0.5, seed: int = 0,
     out["C"] = eye(dv) + scale * rnd(G, dv, dv) / dv**0.5
     if w.b_V is not None:
         nu = bias_shift * rnd(G, dv)
-        if w.b_O is None:  # only shifts that the other groups' biases cannot see
-            tmap = TangentMap(w.replace(W_O=_gauged_out(w.W_O, out["C"], s.group_size)), "vo")
+        if w.b_O is None:  # only shifts that the other kv groups' biases cannot see
+            tmap = TangentMap(w.replace(W_O=_gauged_out(w.W_O, out["C"], s.kv_group_size)), "vo")
             basis = tmap.nu_basis  # [..., G*dv, k]
             coef = (basis.transpose(-1, -2) @ nu.reshape(*b, -1, 1))
             nu = (basis @ coef).reshape(*b, G, dv)
@@ -69,7 +69,7 @@ def _gauged_out(W_O: torch.Tensor, C: torch.Tensor, m: int) -> torch.Tensor:
 def apply_gauge(w: AttentionWeights, g: Gauge) -> AttentionWeights:
     """The transformed weights (new tensors; ``w`` is not modified)."""
     s = w.spec
-    m = s.group_size
+    m = s.kv_group_size
     new: dict[str, torch.Tensor | None] = {}
     if g.S is not None:
         S = g.S
@@ -101,5 +101,5 @@ def apply_gauge(w: AttentionWeights, g: Gauge) -> AttentionWeights:
         out_w = w.replace(**{k: v for k, v in new.items() if k == "W_O"})
         new["b_V"] = new.get("b_V", w.b_V) + g.nu
         if w.b_O is not None:
-            new["b_O"] = w.b_O - torch.einsum("...gv,...gvd->...d", g.nu, group_sum_out(out_w))
+            new["b_O"] = w.b_O - torch.einsum("...gv,...gvd->...d", g.nu, kv_group_sum_out(out_w))
     return w.replace(**new)

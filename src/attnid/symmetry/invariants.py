@@ -14,7 +14,7 @@ maps one layer onto another (what `attnid diff` certifies and fits per layer; do
 
 Each residual is relative to the product of the factors' norms, the size rounding acts on.
 Products are compared in an orthonormal basis of the factors' column spaces (``[..., 2k,
-2k]``, never ``d x d``). :func:`align` fits, per group, the gauge that best maps B onto A
+2k]``, never ``d x d``). :func:`align` fits, per kv group, the gauge that best maps B onto A
 (least squares on the stacked query heads and on the values; RoPE: within the commutant);
 :func:`compare_layers` reports the distance after alignment and the share of the raw
 difference that is pure gauge (what the fitted element leaves is then projected off the
@@ -33,7 +33,7 @@ from attnid.errors import AttnidError
 from attnid.rope import plane_dims
 from attnid.spec import AttentionSpec
 from attnid.symmetry.projection import remove_tangent
-from attnid.weights import AttentionWeights, group_sum_out
+from attnid.weights import AttentionWeights, kv_group_sum_out
 
 VOGauge = Literal["gl", "diagonal"]
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ def _key_bias(w: AttentionWeights) -> torch.Tensor | None:
 def qk_residuals(A: AttentionWeights, B: AttentionWeights) -> dict[str, torch.Tensor]:
     """Per query head, relative residual of each QK invariant block: ``{name: [H]}``."""
     s = A.spec
-    m = s.group_size
+    m = s.kv_group_size
     if s.qk_norm != "none":
         out = {}
         for n in ("W_Q", "W_K"):
@@ -129,7 +129,7 @@ def effective_out_bias(w: AttentionWeights) -> torch.Tensor:
     """``b_O + sum_g b_V^g sum_{h in g} W_O^h`` (zeros when neither bias exists): ``[d]``."""
     out = torch.zeros(w.spec.d_model, dtype=w.W_O.dtype) if w.b_O is None else w.b_O
     if w.b_V is not None:
-        out = out + torch.einsum("gv,gvd->d", w.b_V, group_sum_out(w))
+        out = out + torch.einsum("gv,gvd->d", w.b_V, kv_group_sum_out(w))
     return out
 
 
@@ -137,7 +137,7 @@ def vo_residuals(A: AttentionWeights, B: AttentionWeights, vo_gauge: VOGauge = "
                  ) -> dict[str, torch.Tensor]:
     """Per head, relative residual of the VO invariant and of the effective output bias."""
     s = A.spec
-    m = s.group_size
+    m = s.kv_group_size
     vA, vB = (x.repeat_interleave(m, dim=0) for x in (A.W_V, B.W_V))  # [H, d, dv]
     oA, oB = A.W_O.mT, B.W_O.mT  # [H, d, dv]
     U, V = _basis(vA, vB), _basis(oA, oB)
@@ -160,7 +160,7 @@ def _bias_scale(w: AttentionWeights) -> torch.Tensor:
     """``||b_O|| + sum_g ||b_V^g|| ||sum_{h in g} W_O^h||``: what rounding acts on."""
     t = torch.zeros((), dtype=w.W_O.dtype) if w.b_O is None else w.b_O.norm()
     if w.b_V is not None:
-        t = t + (w.b_V.norm(dim=-1) * group_sum_out(w).flatten(-2).norm(dim=-1)).sum()
+        t = t + (w.b_V.norm(dim=-1) * kv_group_sum_out(w).flatten(-2).norm(dim=-1)).sum()
     return t
 
 
@@ -187,11 +187,11 @@ def _fit(X: torch.Tensor, Y: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
 
 def fit_gauge(A: AttentionWeights, B: AttentionWeights, vo_gauge: VOGauge = "gl"
               ) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """The per-group gauge that best maps B onto A: ``(M, C)``, ``M [G, dk, dk]`` fitted on the
+    """The per-kv-group gauge that best maps B onto A: ``(M, C)``, ``M [G, dk, dk]`` fitted on the
     stacked query heads in the RoPE commutant (None under QK-norm), ``C [G, dv, dv]`` on the
     values (least squares; diagonal with an output gate)."""
     s = A.spec
-    G, m = s.n_kv_heads, s.group_size
+    G, m = s.n_kv_heads, s.kv_group_size
     M = None
     if s.qk_norm == "none":
         stack = lambda W: W.reshape(G, m * s.d_model, s.head_dim)  # noqa: E731
@@ -206,7 +206,7 @@ def fit_gauge(A: AttentionWeights, B: AttentionWeights, vo_gauge: VOGauge = "gl"
 def align(A: AttentionWeights, B: AttentionWeights, vo_gauge: VOGauge = "gl") -> AttentionWeights:
     """The group element applied to B that best maps it onto A (key-bias pass part set to A's,
     value bias folded when an output bias exists)."""
-    m = A.spec.group_size
+    m = A.spec.kv_group_size
     M, C = fit_gauge(A, B, vo_gauge)
     new: dict[str, torch.Tensor | None] = {}
     if M is not None:
@@ -235,7 +235,7 @@ def bias_gauge(A: AttentionWeights, B: AttentionWeights) -> AttentionWeights:
 
 
 def _folded(w: AttentionWeights) -> torch.Tensor:
-    return torch.einsum("gv,gvd->d", w.b_V, group_sum_out(w))
+    return torch.einsum("gv,gvd->d", w.b_V, kv_group_sum_out(w))
 
 
 def distance(A: AttentionWeights, B: AttentionWeights) -> float:

@@ -1,8 +1,8 @@
-"""Split an update into its orbit-tangent part and the rest, batched over groups and layers.
+"""Split an update into its orbit-tangent part and the rest, batched over kv groups and layers.
 
 The least-squares generators solve the normal equations ``T*T x = T* delta``. For the
 plain gauge these are Sylvester equations (``G_Q M + M G_K = W_Q^T dW_Q - dW_K^T W_K``),
-solved exactly with two symmetric eigendecompositions per group (docs/theory.md §10.4); the RoPE
+solved exactly with two symmetric eigendecompositions per kv group (docs/theory.md §10.4); the RoPE
 commutant, the bias translations and the QK-norm directions couple them, so the solve is
 preconditioned conjugate gradients with that Sylvester solve as the preconditioner (one
 iteration when nothing couples).
@@ -17,7 +17,7 @@ import torch
 
 from attnid.symmetry.spectra import gauge_eigh
 from attnid.symmetry.tangent import Gens, TangentMap, side_names, squared_norm
-from attnid.weights import SIDES, AttentionWeights, Side, group_sum_out
+from attnid.weights import SIDES, AttentionWeights, Side, kv_group_sum_out
 
 
 def _dot(a: Gens, b: Gens, nb: int) -> torch.Tensor:
@@ -95,7 +95,7 @@ def _translation_factor(tmap: TangentMap) -> torch.Tensor:
     translations' block of ``T*T`` and the one big product of the solve. It only
     preconditions, so it is formed in float32: its rounding costs CG an iteration, never
     accuracy."""
-    W = group_sum_out(tmap.w).float().reshape(*tmap.w.batch_shape, -1, tmap.spec.d_model)  # [..., G dv, d]
+    W = kv_group_sum_out(tmap.w).float().reshape(*tmap.w.batch_shape, -1, tmap.spec.d_model)  # [..., G dv, d]
     D = W @ W.transpose(-1, -2) + torch.eye(W.shape[-2], dtype=W.dtype, device=W.device)
     return torch.linalg.cholesky(D)
 
@@ -144,7 +144,7 @@ class Projection:
     tmap: TangentMap
     generators: Gens  # least-squares generators of the update (float64)
     delta: dict[str, torch.Tensor]
-    rho: torch.Tensor  # [..., G]: tangent share of each group's (own-parameter) squared norm
+    rho: torch.Tensor  # [..., G]: tangent share of each kv group's (own-parameter) squared norm
     rho_layer: torch.Tensor  # [...]: tangent share over the whole side
     delta_sq: torch.Tensor  # [...]: squared norm of the update on this side (float64)
     iterations: int
@@ -185,7 +185,7 @@ def project(w: AttentionWeights, delta: AttentionWeights, side: Side, *, near: b
     gens, rhs, iters = solve_generators(tmap, d, tol=tol)
     nb = len(w.batch_shape)
     tiny = torch.finfo(torch.float64).tiny
-    rho = tmap.own_sq(gens) / _group_sq(d, w, side).clamp_min(tiny)
+    rho = tmap.own_sq(gens) / _kv_group_sq(d, w, side).clamp_min(tiny)
     delta_sq = sum(squared_norm(t, t.ndim - nb) if t.ndim > nb else t.double() ** 2 for t in d.values())
     # least squares: ||T g||^2 = <T g, delta> = <g, T* delta> (to the solver's tolerance)
     tangent_sq = _dot(gens, rhs, nb).clamp_min(0.0)
@@ -193,28 +193,28 @@ def project(w: AttentionWeights, delta: AttentionWeights, side: Side, *, near: b
     return Projection(side, tmap, gens, d, rho, rho_layer, torch.as_tensor(delta_sq), iters)
 
 
-def _group_sq(t: dict[str, torch.Tensor], w: AttentionWeights, side: Side) -> torch.Tensor:
-    """Squared norm of each group's own parameters: ``[..., G]`` (shared tensors excluded)."""
+def _kv_group_sq(t: dict[str, torch.Tensor], w: AttentionWeights, side: Side) -> torch.Tensor:
+    """Squared norm of each kv group's own parameters: ``[..., G]`` (shared tensors excluded)."""
     s = w.spec
-    G, m = s.n_kv_heads, s.group_size
+    G, m = s.n_kv_heads, s.kv_group_size
 
     def per_head(x: torch.Tensor, extra: int) -> torch.Tensor:  # [..., H, *] -> [..., G]
         sq = squared_norm(x, extra)
         return sq.reshape(*sq.shape[:-1], G, m).sum(-1)
 
-    def per_group(x: torch.Tensor, extra: int) -> torch.Tensor:
+    def per_kv_group(x: torch.Tensor, extra: int) -> torch.Tensor:
         return squared_norm(x, extra)
 
     if side == "qk":
-        out = per_head(t["W_Q"], 2) + per_group(t["W_K"], 2)
+        out = per_head(t["W_Q"], 2) + per_kv_group(t["W_K"], 2)
         if "b_Q" in t:
             out = out + per_head(t["b_Q"], 1)
         if "b_K" in t:
-            out = out + per_group(t["b_K"], 1)
+            out = out + per_kv_group(t["b_K"], 1)
         return out
-    out = per_group(t["W_V"], 2) + per_head(t["W_O"], 2)
+    out = per_kv_group(t["W_V"], 2) + per_head(t["W_O"], 2)
     if "b_V" in t:
-        out = out + per_group(t["b_V"], 1)
+        out = out + per_kv_group(t["b_V"], 1)
     return out
 
 

@@ -1,6 +1,6 @@
 """Rebalancing: a function-preserving move along the orbit to the balanced point (docs/theory.md §11).
 
-For a pair ``A [n1, k]``, ``B [n2, k]`` acted on by ``A S, B S^{-T}`` (QK: the group's
+For a pair ``A [n1, k]``, ``B [n2, k]`` acted on by ``A S, B S^{-T}`` (QK: the kv group's
 stacked query heads and its keys; VO: the values and the stacked transposed outputs):
 thin QR ``A = Q_a R_a``, ``B = Q_b R_b``, SVD ``R_a R_b^T = U Sigma V^T``, then
 ``A <- Q_a U Sigma^{1/2}``, ``B <- Q_b V Sigma^{1/2}``: the product is unchanged and both
@@ -19,11 +19,13 @@ from typing import Literal
 import torch
 
 from attnid import numerics
-from attnid.errors import AttnidError
+from attnid.errors import AttnidError, renamed_keyword
 from attnid.rope import plane_dims
-from attnid.weights import AttentionWeights, group_sum_out
+from attnid.weights import AttentionWeights, kv_group_sum_out
 
-Group = Literal["auto", "gl", "commutant"]  # which gauge group the QK move may use
+# which subgroup of the QK gauge group the move may use
+QKSubgroup = Literal["auto", "gl", "commutant"]
+Group = QKSubgroup  # deprecated alias (one release): the old name of QKSubgroup
 
 
 def balance_pair(A: torch.Tensor, B: torch.Tensor, *, align: bool = True,
@@ -92,7 +94,7 @@ def _rows_qk(w: AttentionWeights) -> tuple[torch.Tensor, torch.Tensor]:
     s = w.spec
     Wq = w.W_Q if w.b_Q is None else torch.cat([w.W_Q, w.b_Q.unsqueeze(-2)], dim=-2)
     Wk = w.W_K if w.b_K is None else torch.cat([w.W_K, w.b_K.unsqueeze(-2)], dim=-2)
-    G, m = s.n_kv_heads, s.group_size
+    G, m = s.n_kv_heads, s.kv_group_size
     A = Wq.reshape(*Wq.shape[:-3], G, m * Wq.shape[-2], Wq.shape[-1])
     return A, Wk
 
@@ -123,22 +125,24 @@ def fold_value_bias(w: AttentionWeights) -> AttentionWeights:
     """Move ``b_V`` into ``b_O`` (rows of attention sum to one). Needs an output bias."""
     if w.b_V is None or w.b_O is None:
         return w
-    b_O = w.b_O + torch.einsum("...gv,...gvd->...d", w.b_V, group_sum_out(w))
+    b_O = w.b_O + torch.einsum("...gv,...gvd->...d", w.b_V, kv_group_sum_out(w))
     return w.replace(b_V=torch.zeros_like(w.b_V), b_O=b_O)
 
 
-def rebalance_qk(w: AttentionWeights, *, group: Group = "auto", align: bool = True,
-                 bias_rows: bool = True) -> AttentionWeights:
-    """Balance QK. ``group``: ``"gl"`` (the whole GL gauge, refused under RoPE), ``"commutant"``
+def rebalance_qk(w: AttentionWeights, *, subgroup: QKSubgroup = "auto", align: bool = True,
+                 bias_rows: bool = True, group: QKSubgroup | None = None) -> AttentionWeights:
+    """Balance QK. ``subgroup``: ``"gl"`` (the whole GL gauge, refused under RoPE), ``"commutant"``
     (only what commutes with RoPE) or ``"auto"`` (the largest one that preserves the function).
     ``bias_rows``: balance the bias-augmented Grams (the conserved quantity of training) or,
-    when False, the weights alone (``W_Q^T W_Q = W_K^T W_K``, for checkpoints)."""
+    when False, the weights alone (``W_Q^T W_Q = W_K^T W_K``, for checkpoints). ``group``: the
+    old name of ``subgroup`` (deprecated)."""
+    subgroup = renamed_keyword("group", "subgroup", group, subgroup)
     s = w.spec
     if s.qk_norm != "none":
         return _balance_gains(w)
-    if group == "gl" and s.rope_dims:
+    if subgroup == "gl" and s.rope_dims:
         raise AttnidError(
-            "a full GL rebalance would change a RoPE layer's function; use group='commutant'")
+            "a full GL rebalance would change a RoPE layer's function; use subgroup='commutant'")
     w = drop_key_bias(w)
     A, B = _rows_qk(w)
     Aw, Bw = (A, B) if bias_rows else _rows_qk(w.replace(
@@ -181,7 +185,7 @@ def rebalance_vo(w: AttentionWeights, *, align: bool = True, fold: bool = True,
         w = fold_value_bias(w)
     A = w.W_V if w.b_V is None else torch.cat([w.W_V, w.b_V.unsqueeze(-2)], dim=-2)
     Aw = A if bias_rows or w.b_V is None else torch.cat([w.W_V, torch.zeros_like(w.b_V).unsqueeze(-2)], -2)
-    G, m = s.n_kv_heads, s.group_size
+    G, m = s.n_kv_heads, s.kv_group_size
     Wo_t = w.W_O.transpose(-1, -2)  # [..., H, d, dv]
     B = Wo_t.reshape(*Wo_t.shape[:-3], G, m * s.d_model, s.v_head_dim)
     A2, B2 = balance_pair(Aw, B, align=align, apply_to=None if Aw is A else (A, B))
@@ -192,9 +196,11 @@ def rebalance_vo(w: AttentionWeights, *, align: bool = True, fold: bool = True,
     return w.replace(**new)
 
 
-def rebalance(w: AttentionWeights, *, group: Group = "auto", align: bool = True,
-              fold: bool = True, bias_rows: bool = True) -> AttentionWeights:
-    """Both sides to the balanced point (the function is unchanged).
+def rebalance(w: AttentionWeights, *, subgroup: QKSubgroup = "auto", align: bool = True,
+              fold: bool = True, bias_rows: bool = True, group: QKSubgroup | None = None
+              ) -> AttentionWeights:
+    """Both sides to the balanced point (the function is unchanged). ``subgroup``: as in
+    :func:`rebalance_qk` (``group``: its old name, deprecated).
 
     >>> import torch
     >>> from attnid import Attention, AttentionSpec, randomize_
@@ -204,5 +210,6 @@ def rebalance(w: AttentionWeights, *, group: Group = "auto", align: bool = True,
     >>> bool(metrics(w).qk.beta.max() < 1e-12)
     True
     """
-    w = rebalance_qk(w, group=group, align=align, bias_rows=bias_rows)
+    subgroup = renamed_keyword("group", "subgroup", group, subgroup)
+    w = rebalance_qk(w, subgroup=subgroup, align=align, bias_rows=bias_rows)
     return rebalance_vo(w, align=align, fold=fold, bias_rows=bias_rows)

@@ -2,7 +2,7 @@
 
 A tangent direction is parametrised by *generators* (one set per layer):
 
-QK, no QK-norm (per key group g, ``M_g`` in the RoPE commutant, ``kappa_g`` on b_K's
+QK, no QK-norm (per kv group g, ``M_g`` in the RoPE commutant, ``kappa_g`` on b_K's
 pass-through dims)::
 
     dW_Q^h = W_Q^h M_g     db_Q^h = b_Q^h M_g     (h in g)
@@ -10,9 +10,9 @@ pass-through dims)::
 
 QK-norm (the GL gauge is broken): gains traded ``dg_Q = g_Q * t``, ``dg_K = -g_K * t``
 (``t`` tied within rotated planes), and, exact only when eps = 0, one scale per query
-head and per key group (``dW_Q^h = s_h W_Q^h``, ...).
+head and per kv group (``dW_Q^h = s_h W_Q^h``, ...).
 
-VO (per group, ``C_g`` in gl(d_v), ``nu_g`` a value-bias translation)::
+VO (per kv group, ``C_g`` in gl(d_v), ``nu_g`` a value-bias translation)::
 
     dW_V^g = W_V^g C_g     db_V^g = b_V^g C_g + nu_g
     dW_O^h = -C_g W_O^h    db_O   = -sum_g nu_g sum_{h in g} W_O^h
@@ -29,7 +29,7 @@ import torch
 
 from attnid.rope import project_commutant, project_tied
 from attnid.spec import AttentionSpec
-from attnid.weights import SIDES, AttentionWeights, Side, grams, group_sum_out, pass_mask
+from attnid.weights import SIDES, AttentionWeights, Side, grams, kv_group_sum_out, pass_mask
 
 Gens = dict[str, torch.Tensor]
 
@@ -85,7 +85,7 @@ class TangentMap:
     def nu_basis(self) -> torch.Tensor:
         """Without b_O: orthonormal basis ``[..., G*dv, k]`` of admissible value-bias shifts."""
         s, w = self.spec, self.w
-        wsum = group_sum_out(w)  # [..., G, dv, d]
+        wsum = kv_group_sum_out(w)  # [..., G, dv, d]
         stacked = wsum.reshape(*w.batch_shape, s.n_kv_heads * s.v_head_dim, s.d_model)
         U, _, _ = torch.linalg.svd(stacked.double(), full_matrices=True)
         rank = min(stacked.shape[-2], stacked.shape[-1])
@@ -102,13 +102,13 @@ class TangentMap:
     def wsum(self) -> torch.Tensor:
         """``Wsum_g = sum_{h in g} W_O^h``: ``[..., G, dv, d]``, in the weights' dtype (float64
         weights keep ``T*T`` exact; lower precision is as exact as the weights themselves)."""
-        return group_sum_out(self.w)
+        return kv_group_sum_out(self.w)
 
     # T and T* -------------------------------------------------------------------------
     def apply(self, g: Gens) -> dict[str, torch.Tensor]:
         """Weight directions (only the tensors this side touches), in the weights' dtype."""
         s, w = self.spec, self.w
-        m = s.group_size
+        m = s.kv_group_size
         g = {k: v.to(w.W_Q.dtype) for k, v in g.items()}
         out: dict[str, torch.Tensor] = {}
         if self.side == "qk":
@@ -142,7 +142,7 @@ class TangentMap:
         if w.b_V is not None:
             out["b_V"] = (w.b_V.unsqueeze(-2) @ C).squeeze(-2) + self._nu(g)
             if w.b_O is not None:
-                out["b_O"] = -torch.einsum("...gv,...gvd->...d", self._nu(g), group_sum_out(w))
+                out["b_O"] = -torch.einsum("...gv,...gvd->...d", self._nu(g), kv_group_sum_out(w))
         elif w.b_O is not None:
             out["b_O"] = torch.zeros_like(w.b_O)
         return out
@@ -226,7 +226,7 @@ class TangentMap:
 
     def _adjoint(self, d: dict[str, torch.Tensor]) -> Gens:
         s, w = self.spec, self.w
-        m = s.group_size
+        m = s.kv_group_size
         g: Gens = {}
         if self.side == "qk":
             if s.qk_norm == "none":
@@ -258,7 +258,7 @@ class TangentMap:
         if w.b_V is not None:
             nu = d["b_V"].clone()
             if w.b_O is not None:
-                nu = nu - torch.einsum("...d,...gvd->...gv", d["b_O"], group_sum_out(w))
+                nu = nu - torch.einsum("...d,...gvd->...gv", d["b_O"], kv_group_sum_out(w))
                 g["nu"] = nu
             else:
                 flat = nu.reshape(*w.batch_shape, -1).double()
@@ -268,7 +268,7 @@ class TangentMap:
 
     # squared norms of T g without forming it --------------------------------------------
     def own_sq(self, g: Gens) -> torch.Tensor:
-        """``[..., G]``: squared norm of ``T g`` on each group's own parameters (shared ``b_O``
+        """``[..., G]``: squared norm of ``T g`` on each kv group's own parameters (shared ``b_O``
         and QK-norm gains left out), from the Gram matrices: ``||W M||^2 = tr(M^T W^T W M)``."""
         s, w, gr = self.spec, self.small, self._grams
         if "M" in g:
@@ -279,7 +279,7 @@ class TangentMap:
                 out = out + ((g["kappa"] - bkM) ** 2).sum(-1) - (bkM**2).sum(-1)
             return out
         if "s_q" in g:
-            per_head = (g["s_q"] ** 2 * gr["sq"]).reshape(*self.w.batch_shape, s.n_kv_heads, s.group_size)
+            per_head = (g["s_q"] ** 2 * gr["sq"]).reshape(*self.w.batch_shape, s.n_kv_heads, s.kv_group_size)
             return per_head.sum(-1) + g["s_k"] ** 2 * gr["sk"]
         if "t" in g:  # only the shared gains move
             return torch.zeros(*self.w.batch_shape, s.n_kv_heads, dtype=torch.float64, device=g["t"].device)

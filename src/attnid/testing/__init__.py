@@ -150,7 +150,7 @@ def attention_reference(layer: nn.Module, x: torch.Tensor, causal: bool = False)
 
     out = torch.zeros(B, T, s.d_model, dtype=torch.float64)
     for h in range(s.n_heads):
-        g = h // s.group_size
+        g = h // s.kv_group_size
         q = prepare(x @ W["W_Q"][h] + W.get("b_Q", {h: zero_k})[h], "g_Q")
         k = prepare(x @ W["W_K"][g] + W.get("b_K", {g: zero_k})[g], "g_K")
         v = x @ W["W_V"][g] + W.get("b_V", {g: zero_v})[g]  # [B, T, dv]
@@ -169,14 +169,14 @@ def invariant_jacobian(spec: AttentionSpec, seed: int = 0) -> tuple[torch.Tensor
     """Jacobian of what QK-normalised scores see at eps = 0, at seeded random weights.
 
     The invariants per head: the pass-through bilinear form, per rotated plane its cosine
-    and sine forms, the query rows' Gram ``Q_h = A_h A_h^T``; per key group ``K_g``
+    and sine forms, the query rows' Gram ``Q_h = A_h A_h^T``; per kv group ``K_g``
     (docs/theory.md §7.1). Parameters: ``A [H, a, dk]``, ``B [G, b, dk]`` (bias rows
     appended) and both gains. Also returns the row of each ``Q_h``'s and ``K_g``'s last
     diagonal entry (the bias direction, which an epsilon absorbed by a bias moves).
     """
     d, H, G, dk = spec.d_model, spec.n_heads, spec.n_kv_heads, spec.head_dim
     a, b = d + spec.has_bias("q"), d + spec.has_bias("k")
-    p, m = spec.pass_dims, spec.group_size
+    p, m = spec.pass_dims, spec.kv_group_size
     nA, nB = H * a * dk, G * b * dk
     iu, ju = torch.triu_indices(a, a).unbind(), torch.triu_indices(b, b).unbind()
     x0 = torch.randn(nA + nB + 2 * dk, generator=torch.Generator().manual_seed(seed),

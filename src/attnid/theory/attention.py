@@ -109,7 +109,7 @@ def count(spec: AttentionSpec) -> Count:
 
 
 def _qk_components(spec: AttentionSpec) -> dict[str, Component]:
-    d, H, G, m = spec.d_model, spec.n_heads, spec.n_kv_heads, spec.group_size
+    d, H, G, m = spec.d_model, spec.n_heads, spec.n_kv_heads, spec.kv_group_size
     dk, r, p = spec.head_dim, spec.rope_dims, spec.pass_dims
     assert G is not None and dk is not None
     has_q, has_k = spec.has_bias("q"), spec.has_bias("k")
@@ -117,7 +117,7 @@ def _qk_components(spec: AttentionSpec) -> dict[str, Component]:
     key_bias = G * dk if has_k else 0
     out: dict[str, Component] = {}
     if spec.qk_norm == "none":
-        # Per group, scores are products of (query rows, augmented by b_Q) with W_K:
+        # Per kv group, scores are products of (query rows, augmented by b_Q) with W_K:
         # pass-through dims give a real product fibre, each rotated plane a complex
         # scalar (2 real dims) that commutes with every rotation.
         rows = m * (d + (1 if has_q else 0))
@@ -127,7 +127,7 @@ def _qk_components(spec: AttentionSpec) -> dict[str, Component]:
             # q . b_K is constant along a softmax row unless RoPE rotates it.
             out["key_bias_translation"] = Component(key_bias, G * p)
         return out
-    # QK-norm: RMSNorm removes the scale of each query head and key group (exactly
+    # QK-norm: RMSNorm removes the scale of each query head and kv group (exactly
     # only when eps == 0) and the key bias passes through the norm, so it is seen.
     scales = H + G
     exact_scales = spec.qk_norm_eps == 0.0
@@ -157,7 +157,7 @@ def _reorder(out: dict[str, Component]) -> dict[str, Component]:
 
 
 def _vo_components(spec: AttentionSpec) -> dict[str, Component]:
-    d, H, G, m = spec.d_model, spec.n_heads, spec.n_kv_heads, spec.group_size
+    d, H, G, m = spec.d_model, spec.n_heads, spec.n_kv_heads, spec.kv_group_size
     dv = spec.v_head_dim
     assert G is not None and dv is not None
     weights = d * G * dv + H * dv * d

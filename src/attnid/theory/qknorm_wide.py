@@ -26,15 +26,15 @@ and the whole count is checked against the Jacobian-rank arbiter in ``tests/``:
 1. :func:`sym2_sum_dim` -- the span of ``Sym^2(R_i)`` for generic subspaces is given by
    adding the subspaces largest first, each bringing its own ``Sym^2`` less the part
    already spanned on its generic intersections with the earlier ones (a recursion);
-2. heads of one group that share coefficients reach ``min(m * one head, sum over blocks
+2. heads of one kv group that share coefficients reach ``min(m * one head, sum over blocks
    of what the m heads reach in that block)`` (:func:`_joint_rank`);
-3. subspaces that depend on a group's random weights meet in generic position inside the
+3. subspaces that depend on a kv group's random weights meet in generic position inside the
    coordinate subspaces that do not (:func:`_meet`: ranks of a random instance of an
    explicit configuration of at most ``2 d_k`` coordinates, the generic rank).
 
 With epsilon > 0 a norm's scale stays exact only where a bias lets ``Q_h`` (or ``K_g``)
 absorb the epsilon in its constant entry; that is one more free rank-one term per head
-(or group) in the same system, so the exact scales are a difference of two fibres.
+(or kv group) in the same system, so the exact scales are a difference of two fibres.
 """
 
 from __future__ import annotations
@@ -100,19 +100,19 @@ def _meet_rows(u: np.ndarray, v: np.ndarray) -> np.ndarray:
     return _orth(vh[rank:, : u.shape[0]] @ u)
 
 
-def _meet(planes: int, pass_dims: int, yq: int, yk: int, groups: int, q_pass: int,
+def _meet(planes: int, pass_dims: int, yq: int, yk: int, kv_groups: int, q_pass: int,
           q_planes: int, k_planes: int) -> tuple[int, int]:
     """The shared-unknown stage for ``p <= b``: returns ``(D, x)``.
 
     Coordinates: per rotated plane ``(u_Q, u_K, mix, tie)``, then ``pass_dims`` pass-through
     coordinates. The query side reaches ``{u_K = 0}``, the key side ``{u_Q = 0}``, the
-    shared gains ``{tie = 0}``. Each group's admissible set is a generic ``yq``-dim subspace
+    shared gains ``{tie = 0}``. Each kv group's admissible set is a generic ``yq``-dim subspace
     of the query side (containing a ``q_pass``-dim part in the pass coordinates and a
     ``q_planes``-dim part in the plane coordinates) plus a generic ``yk``-dim subspace of
     the key side (``k_planes`` of it in the plane coordinates). ``x`` is the dimension one
-    group's two parts share; ``D`` that of the shared set meeting every group's sum.
+    kv group's two parts share; ``D`` that of the shared set meeting every kv group's sum.
 
-    Groups are independent draws, so once one group leaves the running intersection
+    Kv groups are independent draws, so once one leaves the running intersection
     unchanged every later one does too (it contains it for a generic draw, hence for all).
     """
     n = 4 * planes + pass_dims
@@ -138,7 +138,7 @@ def _meet(planes: int, pass_dims: int, yq: int, yk: int, groups: int, q_pass: in
     basis = _orth(first)
     own = first.shape[0] - basis.shape[0]
     acc = _meet_rows(np.eye(n)[~np.isin(coords, tie)], basis)
-    for _ in range(groups - 1):
+    for _ in range(kv_groups - 1):
         if acc.shape[0] == 0:
             break
         nxt = _meet_rows(acc, _orth(draw()))
@@ -154,7 +154,7 @@ def fibre(spec: AttentionSpec, *, free_q: bool = False, free_k: bool = False) ->
     ``free_q`` / ``free_k`` add a free rank-one term in the bias direction to every
     ``Q_h`` / ``K_g`` equation (what an epsilon absorbed by a bias needs).
     """
-    d, H, G, m = spec.d_model, spec.n_heads, spec.n_kv_heads, spec.group_size
+    d, H, G, m = spec.d_model, spec.n_heads, spec.n_kv_heads, spec.kv_group_size
     assert G is not None and spec.head_dim is not None and spec.head_dim > d
     a, b = d + spec.has_bias("q"), d + spec.has_bias("k")
     p, planes = spec.pass_dims, spec.rope_dims // 2
@@ -165,8 +165,8 @@ def fibre(spec: AttentionSpec, *, free_q: bool = False, free_k: bool = False) ->
         # Spare pass-through rows: each head's Q_h gains a free rank-n0 term (stab: its
         # stabiliser), and the key side's pass block can follow any change of K_g and of the
         # metric it induces. Query heads see `free` = a - n0 dims; j_planes / j_lines: rank
-        # of the group's query equations with full plane coefficients / with only the two
-        # directions (s, t) per plane that the group's own unknowns move.
+        # of the kv group's query equations with full plane coefficients / with only the two
+        # directions (s, t) per plane that the kv group's own unknowns move.
         n0 = p - b
         stab = n0 * (n0 - 1) // 2 if n0 <= a else a * n0 - a * (a + 1) // 2
         free = max(0, a - n0)
@@ -180,10 +180,10 @@ def fibre(spec: AttentionSpec, *, free_q: bool = False, free_k: bool = False) ->
         shared = max(0, planes - G * (j_planes - j_lines))
         return H * stab + 2 * p + G * (b * p - b * (b + 1)) + 3 * planes + shared + G * own
     # p <= b: every query row is fixed by the bilinear data; the key side's pass block
-    # moves only inside its own span (B^p -> B^p X). Per group, the coefficients are 3 per
+    # moves only inside its own span (B^p -> B^p X). Per kv group, the coefficients are 3 per
     # plane and Sym(p) on each side; k_q / k_k: coefficients the query heads / the key side
     # cannot see (side kernels), k_q_pass: the pass-only part of k_q, y_q: what of k_q the
-    # group's own unknowns cannot absorb; _meet couples the groups through the shared gains.
+    # group's own unknowns cannot absorb; _meet couples the kv groups through the shared gains.
     seen = min(a, p)
     plane_block = planes * s2(2, (min(2, a),) * m)
     j_q = _joint_rank(a, m, [2] * planes + [seen] + extra,

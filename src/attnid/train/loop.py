@@ -25,7 +25,7 @@ from attnid.errors import AttnidError
 from attnid.monitor import Corrector, Monitor, StepMetrics, parse_correction
 from attnid.progress import Progress
 from attnid.stats import median
-from attnid.symmetry.conserved import conserved, flat_key, group_trace
+from attnid.symmetry.conserved import conserved, flat_key, kv_group_trace
 from attnid.symmetry.tangent import side_names
 from attnid.train.data import shakespeare
 from attnid.train.export import Export, check_export, export_hf
@@ -223,7 +223,7 @@ class _UpdateSizes:
     def _reset(self) -> None:
         n = len(self.params)
         self.sq: dict[Side, list[float]] = {side: [0.0] * n for side in SIDES}  # sum of ||Δw_side||^2
-        self.tau: dict[Side, list[list[float]]] = {  # sum of trace C(Δw), per group
+        self.tau: dict[Side, list[list[float]]] = {  # sum of trace C(Δw), per kv group
             side: [[0.0] * (1 if side == "qk" and s.qk_norm != "none" else s.n_kv_heads) for s in self.specs]
             for side in SIDES}
         self.norm_max = [0.0] * n  # the largest single ||Δw||
@@ -244,7 +244,7 @@ class _UpdateSizes:
                 self.sq[side][i] += sq
                 total += sq
                 dw = AttentionWeights.from_tensors(spec, d)
-                tau = group_trace(conserved(dw, side), dw, side)  # trace C(Δw): [G] (QK-norm QK: [])
+                tau = kv_group_trace(conserved(dw, side), dw, side)  # trace C(Δw): [G] (QK-norm QK: [])
                 self.tau[side][i] = [a + float(b) for a, b in zip(self.tau[side][i], tau.reshape(-1),
                                                                   strict=True)]
             self.norm_max[i] = max(self.norm_max[i], math.sqrt(total))
@@ -252,7 +252,7 @@ class _UpdateSizes:
     def take(self) -> dict[str, list]:
         """The sums since the last record, under their JSONL names (``update_sq_qk``,
         ``update_sq_vo``, ``update_norm_max``: per layer; ``update_tau_qk``, ``update_tau_vo``:
-        per layer and group), then reset."""
+        per layer and kv group), then reset."""
         out: dict[str, list] = {flat_key("update_sq", side): self.sq[side] for side in SIDES}
         out.update({flat_key("update_tau", side): self.tau[side] for side in SIDES})
         out["update_norm_max"] = self.norm_max
@@ -343,8 +343,8 @@ def train(cfg: TrainConfig, out: Path, *, resume: bool = False, progress: bool |
     try:
         for step in range(run.start + 1, cfg.steps + 1):
             if cfg.schedule != "constant" or cfg.warmup:
-                for group in run.opt.param_groups:
-                    group["lr"] = cfg.lr_at(step)
+                for param_group in run.opt.param_groups:
+                    param_group["lr"] = cfg.lr_at(step)
             x, y = data.batch("train", cfg.batch_size, cfg.model.block_size, run.gen)
             _, loss = run.wrapped(x.to(cfg.device), y.to(cfg.device))
             run.opt.zero_grad(set_to_none=True)

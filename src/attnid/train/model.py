@@ -29,7 +29,7 @@ class GPTConfig:
     block_size: int = 64  # longest context
     n_layers: int = 2
     n_heads: int = 4
-    n_kv_heads: int | None = None  # GQA groups; None = MHA
+    n_kv_heads: int | None = None  # kv groups (GQA); None = MHA
     d_model: int = 64
     attn_bias: str = "qk"  # which attention biases exist (the paper's Fig. 3 needs q and k)
     mlp_bias: bool = True

@@ -54,7 +54,7 @@ class Falcon(Adapter):
     def reduce(self, c: Config) -> Config:
         s = self.spec(c)
         G = 1 if s.n_kv_heads == 1 else 2
-        H = 4 if s.n_kv_heads == 1 else 2 * G if s.group_size > 1 else 2
+        H = 4 if s.n_kv_heads == 1 else 2 * G if s.kv_group_size > 1 else 2
         small = dict(c, hidden_size=4 * H, num_attention_heads=H, num_hidden_layers=1, vocab_size=32,
                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
         if "num_kv_heads" in c or cfg_bool(c, "new_decoder_architecture"):

@@ -1,13 +1,13 @@
 """Matching from activations on calibration tokens (`attnid align --calibration`; docs/theory.md
-§13.20): both models are run (float64, transformers' own classes) on the same token blocks,
+§13.20): both models are run (float64, transformers' own classes) on the same token chunks,
 and what is matched is what each part of the group moves:
 
 * the residual stream, every layer's input (embeddings and each layer's output but the last,
   which the final norm has already seen): ``x -> x Q``, so Procrustes on the stacked states
   (each row centred under LayerNorm, which ignores all-ones) gives the rotation, and linear
   assignment on their column correlations the permutation;
-* each head's contribution to the stream, ``z_h W_O^h`` (every per-group gauge leaves it, the
-  stream rotation moves it by ``Q``): heads are matched on the cosine of these, groups kept
+* each head's contribution to the stream, ``z_h W_O^h`` (every per-kv-group gauge leaves it, the
+  stream rotation moves it by ``Q``): heads are matched on the cosine of these, kv groups kept
   whole;
 * each MLP neuron's activation (the down projection's input: a per-neuron scale multiplies it,
   a permutation reorders it): neurons matched on correlation (absolute for gated MLPs, whose
@@ -73,7 +73,7 @@ def module_of(m: ModelTensors) -> nn.Module:
 
 
 def collect(m: ModelTensors, ids: torch.Tensor, batch: int = 8) -> Activations:
-    """Run ``m`` on token blocks ``ids [n, T]`` and keep what the matching reads."""
+    """Run ``m`` on token chunks ``ids [n, T]`` and keep what the matching reads."""
     lay = m.layout
     model = module_of(m)
     L = len(lay.layers)

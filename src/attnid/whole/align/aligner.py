@@ -3,7 +3,7 @@ A's (docs/theory.md §13.20). Every step is a function-preserving transform of
 `attnid.whole.transforms`, so the result computes B's function exactly; each step fits its
 part of the group to A in A's own coordinates, in this order:
 
-1. the residual stream: a rotation (`group` ``rotation`` and ``full``, where it is a symmetry)
+1. the residual stream: a rotation (`subgroup` ``rotation`` and ``full``, where it is a symmetry)
    fitted by Procrustes on the gauge-fixed embedding and unembedding rows after B's norm gains
    are moved to A's (a rotation commutes only with a uniform gain); else a permutation,
    matched by linear assignment on the same rows (gains move with it: a symmetry of every
@@ -16,9 +16,10 @@ part of the group to A in A's own coordinates, in this order:
 4. ``full`` only: the MLP neuron scales, the norm gains per coordinate, the additive gauges
    (`attnid.whole.align.additive`).
 
-`group` selects the variants of docs/theory.md §13.20: ``none`` (B as it is), ``permutations``
-(stream, heads, neurons), ``orthogonal`` (and per-group orthogonal Q/K and V/O maps, Zhang et
-al. style), ``rotation`` (the stream rotated instead of permuted), ``full`` (the whole group).
+`subgroup` selects the variant (a subgroup of the whole-model group) of docs/theory.md §13.20:
+``none`` (B as it is), ``permutations`` (stream, heads, neurons), ``orthogonal`` (and
+per-kv-group orthogonal Q/K and V/O maps, Zhang et al. style), ``rotation`` (the stream rotated
+instead of permuted), ``full`` (the whole group).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 from torch import nn
 
 import attnid.whole.fit.canonical as C
-from attnid.errors import AttnidError
+from attnid.errors import AttnidError, renamed_keyword
 from attnid.whole.align.activations import (
     check_memory,
     collect,
@@ -50,23 +51,31 @@ from attnid.whole.transforms.mlp import mlp_scaling, neuron_permutation
 from attnid.whole.transforms.norms import foldable, norm_gain_transfer
 from attnid.whole.transforms.state import ModelTensors
 
-Group = Literal["none", "permutations", "orthogonal", "rotation", "full"]
-GROUPS: tuple[str, ...] = get_args(Group)
-# the parts of the group, in the order they are fitted (each a stage of the report)
+# the subgroups of the whole-model symmetry group that `align` may search
+Subgroup = Literal["none", "permutations", "orthogonal", "rotation", "full"]
+SUBGROUPS: tuple[str, ...] = get_args(Subgroup)
+Group = Subgroup  # deprecated alias (one release): the old name of Subgroup
+GROUPS = SUBGROUPS  # deprecated alias (one release): the old name of SUBGROUPS
+# the parts of the group, in the order they are fitted (each a share in `Alignment.to_dict`)
 PARTS = ("stream", "permutations", "qk", "vo", "mlp", "norms", "additive")
 
 
 @dataclass(frozen=True)
 class Alignment:
-    """B aligned onto A (``model``: B's function, A's coordinates as far as ``group`` allows),
-    the element's parts, and per unit the stored distance to A after each part."""
+    """B aligned onto A (``model``: B's function, A's coordinates as far as ``subgroup``
+    allows), the element's parts, and per unit the stored distance to A after each part."""
 
     model: ModelTensors
-    group: str
+    subgroup: str
     stream: str  # how the residual stream was aligned (or why not)
     element: GroupElement  # rotation, gains, per layer heads/qk/vo/neurons/mlp
     stream_permutation: torch.Tensor | None  # [d]: the stream permuted instead of rotated
     distances: list[dict[str, float]] = field(default_factory=list)  # per unit: "raw", part -> distance
+
+    @property
+    def group(self) -> str:
+        """The old name of ``subgroup`` (deprecated; goes in the next release)."""
+        return self.subgroup
 
     @property
     def raw_distance(self) -> float:
@@ -76,7 +85,7 @@ class Alignment:
     def aligned_distance(self) -> float:
         return sum(u["aligned"] ** 2 for u in self.distances) ** 0.5
 
-    def report(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         """The JSON of `attnid align` (without paths): totals, shares, per layer."""
         L = len(self.distances) - 2
 
@@ -94,9 +103,12 @@ class Alignment:
             return out
 
         layers = [{"layer": i, **row([self.distances[i + 1]])} for i in range(L)]
-        return {"group": self.group, "stream": self.stream, **row(self.distances),
+        return {"subgroup": self.subgroup, "group": self.subgroup,  # "group": deprecated alias key
+                "stream": self.stream, **row(self.distances),
                 "embeddings": row([self.distances[0]]), "head": row([self.distances[L + 1]]),
                 "layers": layers}
+
+    report = to_dict  # deprecated alias (one release): "report" is `attnid report` only
 
 
 def as_tensors(x: nn.Module | ModelTensors) -> ModelTensors:
@@ -169,8 +181,8 @@ def _rows_with(W: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
 def _qk_pairs(m: ModelTensors, i: int) -> tuple[torch.Tensor, torch.Tensor]:
     w = m.attention(i)
     s = w.spec
-    G, mm = s.n_kv_heads, s.group_size
-    X = _rows_with(w.W_Q, w.b_Q).reshape(G, -1, s.head_dim)  # [G, m (d + 1), dk]: a group's queries
+    G, mm = s.n_kv_heads, s.kv_group_size
+    X = _rows_with(w.W_Q, w.b_Q).reshape(G, -1, s.head_dim)  # [G, m (d + 1), dk]: a kv group's queries
     Y = _rows_with(w.W_K, w.b_K)  # [G, d (+1), dk]
     assert X.shape[1] % mm == 0
     return X, Y
@@ -180,7 +192,7 @@ def _vo_pairs(m: ModelTensors, i: int) -> tuple[torch.Tensor, torch.Tensor]:
     w = m.attention(i)
     s = w.spec
     X = _rows_with(w.W_V, w.b_V)  # [G, d (+1), dv]
-    Y = w.W_O.reshape(s.n_kv_heads, s.group_size, s.v_head_dim, -1).transpose(-1, -2).reshape(
+    Y = w.W_O.reshape(s.n_kv_heads, s.kv_group_size, s.v_head_dim, -1).transpose(-1, -2).reshape(
         s.n_kv_heads, -1, s.v_head_dim)  # [G, m d, dv]: W_O^T, C^{-1} W_O = (W_O^T C^{-T})^T
     return X, Y
 
@@ -238,14 +250,16 @@ def fit_norms(a: ModelTensors, b: ModelTensors) -> tuple[ModelTensors, dict[str,
 
 
 # ---- the whole ---------------------------------------------------------------------------------------
-def align(a: nn.Module | ModelTensors, b: nn.Module | ModelTensors, *, group: Group = "full",
-          calibration: torch.Tensor | None = None, progress: Callable[[str], None] | None = None
-          ) -> Alignment:
-    """B aligned onto A within ``group`` (see the module); float64 throughout. With
+def align(a: nn.Module | ModelTensors, b: nn.Module | ModelTensors, *, subgroup: Subgroup = "full",
+          calibration: torch.Tensor | None = None, progress: Callable[[str], None] | None = None,
+          group: Subgroup | None = None) -> Alignment:
+    """B aligned onto A within ``subgroup`` (see the module); float64 throughout. With
     ``calibration`` (token ids ``[n, T]``) the stream, heads and neurons are matched on both
-    models' activations (`attnid.whole.align.activations`) instead of on the weights."""
-    if group not in GROUPS:
-        raise AttnidError(f"unknown group {group!r}: one of {', '.join(GROUPS)}")
+    models' activations (`attnid.whole.align.activations`) instead of on the weights.
+    ``group``: the old name of ``subgroup`` (deprecated)."""
+    subgroup = renamed_keyword("group", "subgroup", group, subgroup)
+    if subgroup not in SUBGROUPS:
+        raise AttnidError(f"unknown subgroup {subgroup!r}: one of {', '.join(SUBGROUPS)}")
     A, B = as_tensors(a), as_tensors(b)
     check_pair(A, B)
     say = progress or (lambda _: None)
@@ -260,65 +274,65 @@ def align(a: nn.Module | ModelTensors, b: nn.Module | ModelTensors, *, group: Gr
 
     gains: dict[str, torch.Tensor] = {}
     Q = perm = None
-    how = "not aligned (group none)"
+    how = "not aligned (subgroup none)"
     acts = None
-    if group != "none" and calibration is not None:
+    if subgroup != "none" and calibration is not None:
         check_memory(A, calibration.numel())
         acts = (collect(A, calibration), collect(B, calibration))
         say(f"activations collected on {calibration.numel()} calibration tokens")
-    if group != "none":
+    if subgroup != "none":
         before = B
-        B, Q, perm, how = fit_stream(A, B, rotate=group in ("rotation", "full"), acts=acts)
-        moved = group == "full" and Q is None  # a permuted stream: the gauges are fitted with A's gains
+        B, Q, perm, how = fit_stream(A, B, rotate=subgroup in ("rotation", "full"), acts=acts)
+        moved = subgroup == "full" and Q is None  # a permuted stream: the gauges are fitted with A's gains
 
         def rest(m: ModelTensors, q: torch.Tensor | None, p: torch.Tensor | None) -> ModelTensors:
-            return _fit_layers(A, gains_to(A, m) if moved else m, group, acts, q, p)[0]
+            return _fit_layers(A, gains_to(A, m) if moved else m, subgroup, acts, q, p)[0]
 
         if Q is not None or perm is not None:
             B, Q, perm, rounds = refine_stream(A, B, Q, perm, rest)
             how += f"; refined on every stream-side weight ({rounds} rounds)" if rounds else ""
         B = gains_to(A, B) if moved else B
-        if group == "full" or Q is not None:
+        if subgroup == "full" or Q is not None:
             gains = {nm.path: A.gain(nm) / permuted(before.gain(nm), perm)
                      for nm in lay.norms if foldable(nm) and f"{nm.path}.weight" in B}
         say("stream fitted")  # how: in the result (`Alignment.stream`), said once by its reader
     stage("stream", B)
-    B, layers, refined = _fit_layers(A, B, group, acts, Q, perm, stage)
+    B, layers, refined = _fit_layers(A, B, subgroup, acts, Q, perm, stage)
     gains = {p: gains.get(p, torch.ones_like(s)) * s for p, s in refined.items()} if refined else gains
     say("heads, neurons and gauges fitted")
     dist["aligned"] = dist["additive"]
     element = GroupElement(rotation=Q, gains=gains, layers=tuple(LayerElement(**x) for x in layers))
     per_unit = [{k: v[u] for k, v in dist.items()} for u in range(count)]
-    return Alignment(B, group, how, element, perm, per_unit)
+    return Alignment(B, subgroup, how, element, perm, per_unit)
 
 
-def _fit_layers(A: ModelTensors, B: ModelTensors, group: str, acts: Pair | None, Q: torch.Tensor | None,
+def _fit_layers(A: ModelTensors, B: ModelTensors, subgroup: str, acts: Pair | None, Q: torch.Tensor | None,
                 perm: torch.Tensor | None, stage: Callable[[str, ModelTensors], None] | None = None
                 ) -> tuple[ModelTensors, list[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
     """Stages 2-5 on B (its stream already aligned): ``(B, per-layer parts, refitted gains)``."""
     stage = stage or (lambda *_: None)
     L = len(A.layout.layers)
     layers = [dict[str, torch.Tensor]() for _ in range(L)]
-    if group != "none":
+    if subgroup != "none":
         for i in range(L):
             B, layers[i]["heads"], layers[i]["neurons"] = fit_permutations(A, B, i, acts, Q, perm)
     stage("permutations", B)
-    if group not in ("none", "permutations"):
-        kind: Kind = "gl" if group == "full" else "orthogonal"
+    if subgroup not in ("none", "permutations"):
+        kind: Kind = "gl" if subgroup == "full" else "orthogonal"
         for i in range(L):
             B, M, Cv = fit_attention(A, B, i, kind)
             layers[i] |= {k: v for k, v in (("qk", M), ("vo", Cv)) if v is not None}
     stage("qk", _without_vo(B, layers))
     stage("vo", B)
-    if group == "full" and A.layout.mlp != "other":
+    if subgroup == "full" and A.layout.mlp != "other":
         for i in range(L):
             B, layers[i]["mlp"] = fit_mlp(A, B, i)
     stage("mlp", B)
     refined: dict[str, torch.Tensor] = {}
-    if group == "full":
+    if subgroup == "full":
         B, refined = fit_norms(A, B)
     stage("norms", B)
-    if group == "full":
+    if subgroup == "full":
         B = fit_additive(A, B)
     stage("additive", B)
     return B, layers, refined

@@ -1,6 +1,6 @@
 """The continuous gauges that bring B closest to A (docs/theory.md §13.20). Every gauge of a
 layer acts as a pair: one factor ``X`` times ``M``, the other ``Y`` times ``M^{-T}`` (Q/K:
-the stacked queries of a key/value group and its keys; V/O: the values and the group's output
+the stacked queries of a key/value group and its keys; V/O: the values and the kv group's output
 rows transposed; an MLP neuron: its up row and its down column, ``M`` a scalar; a norm
 coordinate: its gain and bias and its readers' column). So one problem serves all,
 

@@ -14,10 +14,10 @@ at a time, in a `Frame` (B's in A's coordinates, through the probes).
 * post-LN (§13.12): a norm's bias moves into the output bias of the sublayer that adds to its
   output; parallel layers (§13.9): the attention's effective output bias into the MLP's;
 * attention (§4.2): every reader's bias ``c + W b`` becomes the layer's q/k/v bias (what
-  `attnid.symmetry.invariants` then compares modulo the per-group gauges, key-bias
+  `attnid.symmetry.invariants` then compares modulo the per-kv-group gauges, key-bias
   translation and value-bias folding).
 
-What stays is the residual rotation, the permutations and the per-group and per-neuron
+What stays is the residual rotation, the permutations and the per-kv-group and per-neuron
 gauges: `attnid.whole.fit.compare` fits those.
 """
 

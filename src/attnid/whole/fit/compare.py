@@ -1,11 +1,11 @@
 """One unit of B against the same unit of A, both gauge-fixed (`attnid.whole.fit.canonical`)
-and B in A's frame: heads and neurons matched (`attnid.whole.fit.match`), the per-group Q/K
+and B in A's frame: heads and neurons matched (`attnid.whole.fit.match`), the per-kv-group Q/K
 and V/O gauges and the MLP scales fitted, every piece's residual relative to what rounding acts
 on, each residual blamed on the stored tensor that breaks it (docs/theory.md §13.19).
 
 Distances (squared, summed over the unit's gauge-fixed pieces): ``fixed`` (gauge-fixed, nothing
 fitted, B unrotated), ``rotated`` (B in A's frame), ``permuted`` (and heads and neurons
-matched), ``aligned`` (and the per-group gauges and MLP scales fitted).
+matched), ``aligned`` (and the per-kv-group gauges and MLP scales fitted).
 """
 
 from __future__ import annotations
@@ -82,10 +82,10 @@ def narrow(w: AttentionWeights, k: int) -> AttentionWeights:
 
 
 def permute_heads(w: AttentionWeights, perm: torch.Tensor) -> AttentionWeights:
-    m = w.spec.group_size
-    groups = perm.reshape(-1, m)[:, 0] // m
+    m = w.spec.kv_group_size
+    kv_groups = perm.reshape(-1, m)[:, 0] // m
     new = {n: t[perm] for n, t in (("W_Q", w.W_Q), ("W_O", w.W_O), ("b_Q", w.b_Q)) if t is not None}
-    new |= {n: t[groups] for n, t in (("W_K", w.W_K), ("W_V", w.W_V), ("b_K", w.b_K), ("b_V", w.b_V))
+    new |= {n: t[kv_groups] for n, t in (("W_K", w.W_K), ("W_V", w.W_V), ("b_K", w.b_K), ("b_V", w.b_V))
             if t is not None}
     return w.replace(**new)
 
@@ -99,7 +99,7 @@ def _blame_attention(name: str, a: Attention, b: AttentionWeights, M: torch.Tens
     """The stored tensor a broken attention invariant points at (the side the fitted gauge
     cannot match; a bias the spec stores before the norm's bias it also reads)."""
     A, names = a.w, a.blame
-    m = A.spec.group_size
+    m = A.spec.kv_group_size
 
     def first(*fields: str) -> str:
         return next((names[f] for f in fields if f in names), names["W_Q"])

@@ -7,7 +7,7 @@
    (completed with layer 0's matched MLP rows where the tables do not span the stream); when
    the first layer then disagrees, a second rotation fitted on that layer's rows, and the one
    more of the model agrees with is kept (a table rotated twice is then the table's fault);
-3. per layer, heads and neurons matched by linear assignment, the per-group Q/K and V/O
+3. per layer, heads and neurons matched by linear assignment, the per-kv-group Q/K and V/O
    gauges and the MLP scales by least squares (`attnid.whole.fit.compare`);
 4. every gauge-fixed piece compared at the dtype's rounding, blamed on a stored tensor.
 
@@ -105,17 +105,17 @@ def _layer_rows(m: ModelTensors, layer: int, cd: torch.dtype) -> torch.Tensor | 
 
 
 ROWS_EXTRA = 256  # rows beyond the width that a Procrustes fit reads from each table
-BLOCKS = 8  # contiguous blocks the rows are read in, spread over the table
+CHUNKS = 8  # contiguous chunks the rows are read in, spread over the table
 
 
 def sampled_rows(src: UnitSource, name: str, n: int, skip: int = 0) -> torch.Tensor:
-    """About ``n`` rows of a table, read as ``BLOCKS`` contiguous blocks spread over it (a
+    """About ``n`` rows of a table, read as ``CHUNKS`` contiguous chunks spread over it (a
     checkpoint reads only those bytes); rows below ``skip`` are left out."""
     total = src.shape(name)[0]
     if total - skip <= n:
         return src.rows(name, skip, total)
-    size = -(-n // BLOCKS)
-    starts = torch.linspace(skip, total - size, BLOCKS).long().tolist()
+    size = -(-n // CHUNKS)
+    starts = torch.linspace(skip, total - size, CHUNKS).long().tolist()
     return torch.cat([src.rows(name, s, s + size) for s in starts])
 
 
@@ -493,8 +493,8 @@ RAW_CHUNK = 1 << 18  # elements per step of a stored distance: the difference st
 
 
 def _sq_distance(x: torch.Tensor, y: torch.Tensor) -> float:
-    """``||x - y||^2``, a cache-sized block at a time (no full-size difference is made; each
-    block's sum in the compute dtype, the blocks' in float64: about 1e-7 relative in float32,
+    """``||x - y||^2``, a cache-sized chunk at a time (no full-size difference is made; each
+    chunk's sum in the compute dtype, the chunks' in float64: about 1e-7 relative in float32,
     where one float32 reduction over a 45M-element weight drifts by 1e-3)."""
     fx, fy = x.reshape(-1), y.reshape(-1)
     return sum(float(torch.linalg.vector_norm(fx[i:i + RAW_CHUNK] - fy[i:i + RAW_CHUNK])) ** 2

@@ -27,7 +27,7 @@ NARROW = 64  # probes for rows compared one by one (tables, neurons)
 
 def probe_count(d: int, head_dims: int) -> int:
     """How many probes a width ``d`` gets: all of it up to ``EXACT_WIDTH``, else enough for the
-    per-group least squares of heads ``head_dims`` wide (twice, at least 64)."""
+    per-kv-group least squares of heads ``head_dims`` wide (twice, at least 64)."""
     return d if d <= EXACT_WIDTH else min(d, max(64, 2 * head_dims))
 
 
@@ -89,7 +89,7 @@ class Frame:
 
     def narrow(self, k: int = NARROW) -> Frame:
         """The same frame through its first ``k`` probes: enough for rows compared one by one
-        (tables, MLP neurons), which need no room for a per-group least-squares fit. Rescaled
+        (tables, MLP neurons), which need no room for a per-kv-group least-squares fit. Rescaled
         by ``sqrt(K / k)`` so that ``E[Z Z^T] = I`` still holds and distances measured through
         the narrowed frame add up with the others."""
         if self.Z is None or self.Z.shape[1] <= k:

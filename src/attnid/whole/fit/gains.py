@@ -10,7 +10,7 @@ too), then the unit compared again:
 * an MLP's readers (gate, up): neurons matched by the fit's permutation, the scalable rows
   (the up half, a ReLU's up) by a per-row factor (alternating least squares);
 * attention: the total OV circuit ``sum_h W_V^h W_O^h`` (``[d, d]``, the same for every head
-  permutation and per-group V/O gauge): rows scaled by ``s``;
+  permutation and per-kv-group V/O gauge): rows scaled by ``s``;
 * the head: the rows centred over the vocabulary (the logit shift).
 
 A's readers are taken to B's coordinates with the fitted rotation (``W_A Q^T``; the OV circuit
@@ -79,7 +79,7 @@ def _ov(m: ModelTensors, layer: int, nm: Norm, dtype: torch.dtype) -> torch.Tens
     """``diag(g) sum_h W_V^h W_O^h`` ``[d, d]``."""
     w = m.attention(layer)
     s = w.spec
-    V = w.W_V.to(dtype).repeat_interleave(s.group_size, dim=0)  # [H, d, dv]
+    V = w.W_V.to(dtype).repeat_interleave(s.kv_group_size, dim=0)  # [H, d, dv]
     return m.gain(nm).to(dtype)[:, None] * torch.einsum("hdv,hve->de", V, w.W_O.to(dtype))
 
 

@@ -48,7 +48,7 @@ def _sqdist(X: torch.Tensor, Y: torch.Tensor) -> torch.Tensor:
 def _head_features(w: AttentionWeights, seed: int = 0) -> list[torch.Tensor]:
     """Per query head, gauge-invariant features ``[H, p]``."""
     s = w.spec
-    m = s.group_size
+    m = s.kv_group_size
     vo = (w.W_V.repeat_interleave(m, dim=0) @ w.W_O).flatten(1)  # [H, k*k]
     K = w.W_K.repeat_interleave(m, dim=0)  # [H, k, dk]
     if s.qk_norm != "none":
@@ -66,7 +66,7 @@ def _head_features(w: AttentionWeights, seed: int = 0) -> list[torch.Tensor]:
 
 
 def match_heads(A: AttentionWeights, B: AttentionWeights) -> torch.Tensor:
-    """``perm [H]``: A's head ``h`` is B's head ``perm[h]`` (groups kept whole)."""
+    """``perm [H]``: A's head ``h`` is B's head ``perm[h]`` (kv groups kept whole)."""
     s = A.spec
     cost = sum(_sqdist(fa, fb) for fa, fb in zip(_head_features(A), _head_features(B), strict=True))
     return assign_heads(cost, s.n_kv_heads)
@@ -80,8 +80,8 @@ def assign_heads(cost: torch.Tensor, G: int) -> torch.Tensor:
     inner = [[assignment(blocks[i, j]) for j in range(G)] for i in range(G)]
     gcost = torch.tensor([[float(blocks[i, j][torch.arange(m), inner[i][j]].sum()) for j in range(G)]
                           for i in range(G)], dtype=torch.float64)
-    groups = assignment(gcost)
-    return torch.cat([int(groups[i]) * m + inner[i][int(groups[i])] for i in range(G)])
+    kv_groups = assignment(gcost)
+    return torch.cat([int(kv_groups[i]) * m + inner[i][int(kv_groups[i])] for i in range(G)])
 
 
 def _neuron_features(x: MLP) -> list[tuple[torch.Tensor, torch.Tensor | None]]:

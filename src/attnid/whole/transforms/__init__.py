@@ -4,7 +4,7 @@ by ``state_dict`` name and its layout: a checkpoint's, or a module's) and accept
 Face model too (a new model comes back, ties kept); the input is never touched. Split by
 mathematics: ``norms`` (gain, bias, centring, gain folding), ``residual`` (rotation, all-ones
 shifts, parallel biases), ``mlp`` (per-neuron scaling, neuron permutations), ``heads``
-(per-group V/O and Q/K transforms, head permutations), ``embeddings`` (translation, logit
+(per-kv-group V/O and Q/K transforms, head permutations), ``embeddings`` (translation, logit
 shift), ``attention`` (offsets of bias-free attention behind a biased LayerNorm);
 ``orthogonal`` builds rotations (Hadamard, random); ``element`` is one group element applied
 at once; ``layout`` says where each acts; ``state`` holds `ModelTensors`; ``span`` collects

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from attnid.errors import AttnidError
-from attnid.weights import AttentionWeights, group_sum_out, pass_mask
+from attnid.weights import AttentionWeights, kv_group_sum_out, pass_mask
 from attnid.whole.transforms.layout import norm_by_path
 from attnid.whole.transforms.state import ModelTensors, on_modules
 
@@ -53,7 +53,7 @@ def value_offset(m: ModelTensors, layer: int, c: float) -> ModelTensors:
     """Values of ``layer`` plus the ``nu`` whose output is ``c`` times all-ones."""
     w, g, s = _setup(m, layer)
     spec = w.spec
-    A = group_sum_out(w).reshape(-1, spec.d_model)  # [G dv, d]: nu -> output
+    A = kv_group_sum_out(w).reshape(-1, spec.d_model)  # [G dv, d]: nu -> output
     target = torch.full((spec.d_model, 1), c, dtype=A.dtype)
     nu = torch.linalg.lstsq(A.T, target).solution[:, 0]
     if float((A.T @ nu - target[:, 0]).norm()) > 1e-9 * max(abs(c), 1.0) * spec.d_model:

@@ -3,7 +3,7 @@ that applies it (to a checkpoint's tensors or a module): what `attnid diff` fits
 `attnid rewrite` draws.
 
 The record holds the multiplicative part of the group (docs/theory.md §13): norm gain
-transfers, the residual-stream rotation, and per layer a head permutation, per-group Q/K and
+transfers, the residual-stream rotation, and per layer a head permutation, per-kv-group Q/K and
 V/O transforms, a neuron permutation and per-neuron MLP scales. The additive part (LayerNorm
 bias moves, centring, all-ones shifts, translations, logit shifts, parallel-bias transfer,
 key-bias translation, value-bias folding) is what `attnid diff` removes by gauge fixing.

@@ -2,12 +2,12 @@
 
 * :func:`value_transform`: ``W_V -> W_V C``, ``W_O^h -> C^{-1} W_O^h``, ``b_V -> b_V C`` per
   key/value group (QuaRot's and SpinQuant's R2 when ``C`` is orthogonal; §3);
-* :func:`query_key_transform`: ``W_Q -> W_Q M``, ``W_K -> W_K M^{-T}`` (biases alike) per group,
+* :func:`query_key_transform`: ``W_Q -> W_Q M``, ``W_K -> W_K M^{-T}`` (biases alike) per kv group,
   ``M`` in the commutant of RoPE (per rotated plane a scaled rotation, any invertible block on
   the pass-through dims; §2, §5.2): the scores ``q M (k M^{-T})^T = q k^T`` and RoPE commutes
   with ``M``;
 * :func:`head_permutation`: the query heads reordered, key/value groups as wholes (a head
-  must stay with its group's keys and values; the output sums over heads).
+  must stay with its kv group's keys and values; the output sums over heads).
 
 The attention tensors are read and written by the family's adapter, so fused layouts (GPT-2's
 ``c_attn``, GPT-NeoX's ``query_key_value``, Phi-3's ``qkv_proj``) are handled alike. Each takes a
@@ -40,7 +40,7 @@ def _invertible(X: torch.Tensor, what: str) -> None:
 
 @on_modules
 def value_transform(m: ModelTensors, layer: int, C: torch.Tensor) -> ModelTensors:
-    """Per key/value group ``C`` (``[G, dv, dv]``, invertible): values ``* C``, the group's
+    """Per key/value group ``C`` (``[G, dv, dv]``, invertible): values ``* C``, the kv group's
     output rows ``C^{-1} *``, the value bias ``* C``."""
     w = _layer(m, layer)
     s = w.spec
@@ -72,16 +72,19 @@ def query_key_transform(m: ModelTensors, layer: int, M: torch.Tensor) -> ModelTe
     return m.replace(m.attention_changes(layer, apply_gauge(w, Gauge(S=M.to(w.W_Q.dtype)))))
 
 
-def group_permutation(perm: torch.Tensor, n_heads: int, n_kv_heads: int) -> torch.Tensor:
+def kv_group_permutation(perm: torch.Tensor, n_heads: int, n_kv_heads: int) -> torch.Tensor:
     """The key/value group order of a head permutation that keeps groups whole (``[G]``)."""
     perm = torch.as_tensor(perm, dtype=torch.long)
     m = n_heads // n_kv_heads
     if tuple(perm.shape) != (n_heads,) or not torch.equal(perm.sort().values, torch.arange(n_heads)):
         raise AttnidError(f"not a permutation of the {n_heads} query heads")
-    groups = (perm // m).reshape(n_kv_heads, m)
-    if not bool((groups == groups[:, :1]).all()):
+    kv_groups = (perm // m).reshape(n_kv_heads, m)
+    if not bool((kv_groups == kv_groups[:, :1]).all()):
         raise AttnidError("a head permutation must move key/value groups as wholes")
-    return groups[:, 0]
+    return kv_groups[:, 0]
+
+
+group_permutation = kv_group_permutation  # deprecated alias (one release)
 
 
 @on_modules
@@ -89,7 +92,7 @@ def head_permutation(m: ModelTensors, layer: int, perm: torch.Tensor) -> ModelTe
     """New query head ``h`` is old head ``perm[h]`` (``[H]``), its key/value group moving along."""
     w = _layer(m, layer)
     s = w.spec
-    gp = group_permutation(perm, s.n_heads, s.n_kv_heads)
+    gp = kv_group_permutation(perm, s.n_heads, s.n_kv_heads)
     perm = torch.as_tensor(perm, dtype=torch.long)
     new = {n: t[perm] for n, t in (("W_Q", w.W_Q), ("W_O", w.W_O), ("b_Q", w.b_Q)) if t is not None}
     new |= {n: t[gp] for n, t in (("W_K", w.W_K), ("W_V", w.W_V), ("b_K", w.b_K), ("b_V", w.b_V))

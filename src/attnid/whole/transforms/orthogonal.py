@@ -163,6 +163,6 @@ def random_commutant(spec: AttentionSpec, gen: torch.Generator, scale: float = 0
 def random_head_permutation(spec: AttentionSpec, gen: torch.Generator) -> torch.Tensor:
     """A random permutation of the query heads (``[H]``, new head ``h`` is old ``perm[h]``) that
     moves key/value groups as wholes and heads within each group."""
-    G, m = spec.n_kv_heads, spec.group_size
-    groups = torch.randperm(G, generator=gen)
-    return torch.cat([groups[g] * m + torch.randperm(m, generator=gen) for g in range(G)])
+    G, m = spec.n_kv_heads, spec.kv_group_size
+    kv_groups = torch.randperm(G, generator=gen)
+    return torch.cat([kv_groups[g] * m + torch.randperm(m, generator=gen) for g in range(G)])

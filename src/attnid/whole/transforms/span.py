@@ -109,12 +109,16 @@ def unread_directions(model: nn.Module, config: dict[str, Any]) -> list[torch.Te
 
 @dataclass(frozen=True)
 class Directions:
-    """Named groups of symmetry directions ``[P, n]`` at one model."""
+    """Named sets of symmetry directions ``[P, n]`` at one model (``parts``: name -> directions)."""
 
-    groups: dict[str, torch.Tensor]
+    parts: dict[str, torch.Tensor]
+
+    @property
+    def groups(self) -> dict[str, torch.Tensor]:  # deprecated alias (one release) of parts
+        return self.parts
 
     def matrix(self) -> torch.Tensor:
-        return torch.cat(list(self.groups.values()), dim=1)
+        return torch.cat(list(self.parts.values()), dim=1)
 
 
 def symmetry_directions(model: nn.Module, config: dict[str, Any]) -> Directions:

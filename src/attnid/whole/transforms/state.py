@@ -172,10 +172,10 @@ def _tied(model: nn.Module, before: Mapping[str, torch.Tensor], after: dict[str,
           ) -> dict[str, torch.Tensor]:
     """``after`` with every name of one shared tensor (tied embeddings, RoBERTa's two decoder
     biases) set to the value the transform gave any of them (loading goes name by name)."""
-    groups: dict[tuple[int, int], list[str]] = {}
+    shared: dict[tuple[int, int], list[str]] = {}
     for name, t in before.items():
-        groups.setdefault((t.data_ptr(), t.numel()), []).append(name)
-    for names in groups.values():
+        shared.setdefault((t.data_ptr(), t.numel()), []).append(name)
+    for names in shared.values():
         changed = [n for n in names if after[n] is not before[n]]
         for n in names:
             if changed:
