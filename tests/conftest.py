@@ -68,8 +68,8 @@ CONFIRMATIONS = {
     "tests/whole/test_align.py::test_every_variant_keeps_b_function[gpt2-untied-full]": 3.5,
     "tests/whole/test_align.py::test_every_variant_keeps_b_function[phi3-full]": 2,
     "tests/whole/test_align.py::test_every_variant_keeps_b_function[neox-parallel-full]": 2,
-    "tests/whole/test_align.py::test_larger_groups_bring_b_closer[gpt2-untied]": 4,
-    "tests/whole/test_align.py::test_larger_groups_bring_b_closer[neox-parallel]": 2,
+    "tests/whole/test_align.py::test_larger_subgroups_bring_b_closer[gpt2-untied]": 4,
+    "tests/whole/test_align.py::test_larger_subgroups_bring_b_closer[neox-parallel]": 2,
     "tests/whole/test_fit.py::test_one_changed_tensor_is_named[gpt2-untied]": 3.5,
     "tests/whole/test_fit.py::test_one_changed_tensor_is_named[qwen2-bias-gqa]": 3,
     # merge on the second family (# [gpt2]); a real fine-tune refused (# the nudges caught)

@@ -118,7 +118,7 @@ def test_diff_and_canonicalize_a_cached_checkpoint(capsys, full, tmp_path, diges
     assert not any(p.is_symlink() for p in out.rglob("*"))  # copies, not links into the cache
     code, text, err = run(capsys, "diff", name, str(out))
     assert code == 0, err
-    assert "CERTIFIED" in text and text.startswith(f"{out} vs {name}"), text
+    assert "CERTIFIED" in text and text.startswith(f"{name} vs {out}")  # A vs B, in argument order, text
 
 
 @pytest.mark.parametrize("args", [["report", "org/missing"], ["verify", "--hf-config", "org/missing"],
