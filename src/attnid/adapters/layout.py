@@ -44,6 +44,11 @@ class Norm:
 
 @dataclass(frozen=True)
 class Layout:
+    """Where one model's tensors sit: its norms and their readers, each layer's writers, the
+    embedding tables, the MLPs, the head; what every whole-model transform reads. The residual
+    layout (pre-LN, parallel, post-LN: ``Structure.layout`` in `attnid.structure`) is one part
+    of it (``parallel``, ``post``)."""
+
     norm: Literal["layer", "rms"]
     norms: tuple[Norm, ...]  # every residual norm with readers, the final one last
     writers: tuple[tuple[Lin, ...], ...]  # per layer: (attention output, MLP output)
