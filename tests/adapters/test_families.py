@@ -206,3 +206,8 @@ class _Parallel(Llama):
 def test_the_part_check_can_fail(adapter, part, symptom):
     with pytest.raises(AssertionError, match=rf"family 'llama', part '{part}'.*{symptom}"):
         check_part(adapter, part, tiny_config("llama"), tiny("llama"))
+
+
+def test_a_family_without_a_tiny_config_is_named():
+    with pytest.raises(pytest.fail.Exception, match="family 'my_model' has no tiny config"):
+        tiny_config("my_model")
