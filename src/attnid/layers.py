@@ -3,7 +3,9 @@
 A finder takes a model and returns one :class:`LayerAccessor` per attention layer it
 recognises (read and write the layer in canonical form, read its gradients). attnid's own
 `Attention` is found by the finder below; `attnid.adapters` registers one for Hugging Face
-models when it is imported. Consumers (`attnid.monitor`) only call :func:`find_layers`.
+models when it is imported (`attnid.adapters.hooks`), which asks the model's family for its
+layers (``Adapter.layers``, in the family's own file). Consumers (`attnid.monitor`) only call
+:func:`find_layers`.
 """
 
 from __future__ import annotations

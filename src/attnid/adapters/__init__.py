@@ -1,7 +1,8 @@
 """Hugging Face model families: configs -> specs, checkpoints <-> the canonical layout.
 
-Importing this package registers every family (`families/`) and the layer finder that lets
-`attnid.monitor` see Hugging Face models (`hooks`).
+Importing this package registers every family (`families/`; each file owns its config ->
+spec, tensor names, structure, whole-model layout and layer finder) and the layer finder that
+lets `attnid.monitor` see Hugging Face models (`hooks`, which asks the model's family).
 """
 
 from attnid.adapters import families, hooks  # noqa: F401  (each registers itself)

@@ -2,8 +2,11 @@
 <-> the canonical per-head layout (`AttentionWeights`).
 
 One small file per model family subclasses `Adapter` and registers itself under the
-Hugging Face architecture names it serves (`attnid.adapters.registry`). Shared layouts
-(separate ``q/k/v/o`` Linear projections) live here once.
+Hugging Face architecture names it serves (`attnid.adapters.registry`). That file owns every
+part of its family (:data:`PARTS`): config -> spec, tensor names, the structure, the
+whole-model layout and the layer finder. The defaults here are Llama's (separate ``q/k/v/o``
+Linear projections, pre-LN RMSNorm, gated MLP), written once; a family without a part says
+why in ``lacks``.
 """
 
 from __future__ import annotations
@@ -17,13 +20,26 @@ import torch
 from torch import nn
 
 from attnid.adapters.config import source_of
+from attnid.adapters.layout import Layout, llama_layout
 from attnid.errors import AttnidError
+from attnid.layers import LayerAccessor
+from attnid.sharding import clean_name
 from attnid.spec import AttentionSpec
 from attnid.structure import Structure, function_kind
 from attnid.weights import AttentionWeights
 
 Config = dict[str, Any]
 HFForward = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+
+# the parts a family's file owns, by the methods that give them (tests/adapters/test_families.py
+# checks that every registered family has each one, or says in ``Adapter.lacks`` why not)
+PARTS: dict[str, str] = {
+    "spec": "config -> per-layer AttentionSpec (spec, specs)",
+    "names": "checkpoint tensor names <-> the canonical layout (names, read, write)",
+    "structure": "the whole model's Structure, what the whole-model count reads (whole)",
+    "layout": "where the whole-model symmetries act in a built model (layout)",
+    "layers": "the layer finder: accessors for a built model's attention layers (layers)",
+}
 
 
 def cfg(config: Config, *keys: str, default: Any = None) -> Any:
@@ -175,6 +191,7 @@ class Adapter:
     layer_prefix: ClassVar[str] = "layers.{i}."
     closed_form: ClassVar[bool] = True  # False: counted numerically on a reduced config only
     missing: ClassVar[str] = ""  # what attnid lacks for such a family (said in every refusal)
+    lacks: ClassVar[dict[str, str]] = {}  # part (a PARTS key) -> why this family has none
 
     # ---- config -> specs ------------------------------------------------------------
     def n_layers(self, c: Config) -> int:
@@ -294,6 +311,38 @@ class Adapter:
     def unsupported(self, c: Config) -> str | None:
         """Why this config cannot be handled (None when it can)."""
         return None
+
+    # ---- the whole-model layout (attnid.whole.transforms.layout_of) ---------------------
+    def layout(self, model: nn.Module) -> Layout:
+        """Where the whole-model symmetries act in a built model of this family (Llama's
+        by default; a pure function of the module, which works on the meta device)."""
+        if "layout" in self.lacks:
+            raise AttnidError(f"no whole-model transforms for {self.model_type!r}: attnid lacks "
+                              f"{self.lacks['layout']}")
+        return llama_layout(model)
+
+    # ---- the layer finder (attnid.layers.find_layers, through attnid.adapters.hooks) ----
+    def layers(self, model: nn.Module) -> list[LayerAccessor]:
+        """One accessor per attention layer of a built model of this family (empty when its
+        tensors are not found: another model, or a family that lacks a finder).
+
+        Tensors are named as the model names them without wrapper parts (FSDP1's
+        ``_fsdp_wrapped_module``, ``torch.compile``'s ``_orig_mod``), so the accessors find them
+        again however the model is wrapped or sharded later."""
+        if "layers" in self.lacks:
+            return []
+        config = model.config
+        names = [clean_name(n) for n, _ in model.named_parameters()]
+        specs = self.specs(config.to_dict())
+        first = self.names(0, specs[0])[0]
+        prefix = next((n[: -len(first)] for n in names if n.endswith(first)), None)
+        if prefix is None:
+            return []
+        return [LayerAccessor(
+            name=f"{prefix}{self.layer_prefix.format(i=i)}", spec=spec, root=model,
+            paths={n: prefix + n for n in self.names(i, spec)}, shapes=stored_shapes(self, spec, i),
+            read=lambda t, i=i, spec=spec: self.read(t, i, spec), write=lambda w, i=i: self.write(w, i),
+        ) for i, spec in enumerate(specs)]
 
 
 def stored_shapes(adapter: Adapter, spec: AttentionSpec, i: int) -> dict[str, tuple[int, ...]]:

@@ -1,23 +1,45 @@
-"""Architecture name -> adapter. Families register themselves; no if/elif chains on names."""
+"""Architecture name -> adapter. Families register themselves; no if/elif chains on names.
+
+The one registry of family knowledge: a config finds its family here by ``architectures``
+(or ``model_type``), a built model finds its whole-model layout here by ``model_type``
+(:data:`LAYOUTS`, which `attnid.whole.transforms.layout` reads), and the layer finder
+(`attnid.adapters.hooks`) asks the family found here.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from types import MappingProxyType
+
+from torch import nn
+
 from attnid.adapters.base import Adapter, Config
 from attnid.adapters.config import source_of
+from attnid.adapters.layout import Layout
 from attnid.errors import AttnidError
 
 _REGISTRY: dict[str, type[Adapter]] = {}
+_LAYOUTS: dict[str, Callable[[nn.Module], Layout]] = {}
+# model_type -> its family's whole-model layout builder (families that have one), read-only
+LAYOUTS = MappingProxyType(_LAYOUTS)
 
 
 def register(cls: type[Adapter]) -> type[Adapter]:
     for arch in cls.architectures:
         _REGISTRY[arch] = cls
     _REGISTRY.setdefault(f"model_type:{cls.model_type}", cls)
+    if "layout" not in cls.lacks:
+        _LAYOUTS.setdefault(cls.model_type, cls().layout)
     return cls
 
 
 def supported() -> list[str]:
     return sorted(k for k in _REGISTRY if not k.startswith("model_type:"))
+
+
+def families() -> dict[str, type[Adapter]]:
+    """Every registered family by its ``model_type``, in the order they registered."""
+    return {k.split(":", 1)[1]: cls for k, cls in _REGISTRY.items() if k.startswith("model_type:")}
 
 
 def adapter_for(config: Config) -> Adapter:

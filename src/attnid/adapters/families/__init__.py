@@ -1,4 +1,9 @@
-"""One file per model family; importing this package registers them all."""
+"""One file per model family; importing this package registers them all.
+
+Each file owns every part of its family (`attnid.adapters.base.PARTS`: config -> spec, tensor
+names, structure, whole-model layout, layer finder), or says in ``lacks`` why it has none;
+tests/adapters/test_families.py checks each part of each family on its tiny model.
+"""
 
 from attnid.adapters.families import (
     bert,

@@ -12,6 +12,7 @@ class DeepSeekV3(Adapter):
     family = "DeepSeek-V3"
     closed_form = False
     missing = "a closed form and canonical layout for multi-head latent attention"
+    lacks = dict.fromkeys(("names", "layout", "layers"), missing)
 
     def reduce(self, c: Config) -> Config:
         small = dict(c, hidden_size=16, num_attention_heads=2, num_key_value_heads=2,

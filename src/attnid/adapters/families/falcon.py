@@ -4,6 +4,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 import torch
+from torch import nn
 
 from attnid.adapters.base import (
     Adapter,
@@ -17,6 +18,7 @@ from attnid.adapters.base import (
     rope_float,
     split_heads_out,
 )
+from attnid.adapters.layout import Layout, Lin, Norm, activation, base_prefix, final_norm, lm_head
 from attnid.adapters.registry import register
 from attnid.spec import AttentionSpec
 from attnid.structure import Structure
@@ -102,6 +104,33 @@ class Falcon(Adapter):
             out[f"{p}self_attention.query_key_value.bias"] = b.reshape(-1)
             out[f"{p}self_attention.dense.bias"] = w.b_O
         return out
+
+    def layout(self, model: nn.Module) -> Layout:
+        """Falcon: one shared norm (parallel), ln_attn + ln_mlp (new decoder), or sequential."""
+        b = base_prefix(model, "transformer")
+        L = [f"{b}h.{i}." for i in range(model.config.num_hidden_layers)]
+        unembed, tied = lm_head(model, "lm_head", f"{b}word_embeddings")
+        norms, attn = [], []
+        for p in L:
+            qkv, up = Lin(f"{p}self_attention.query_key_value"), Lin(f"{p}mlp.dense_h_to_4h")
+            layer = model.get_submodule(p.rstrip("."))
+            if hasattr(layer, "ln_attn"):
+                pair = (Norm(f"{p}ln_attn", (qkv,)), Norm(f"{p}ln_mlp", (up,)))
+            elif hasattr(layer, "post_attention_layernorm"):
+                pair = (Norm(f"{p}input_layernorm", (qkv,)), Norm(f"{p}post_attention_layernorm", (up,)))
+            else:
+                pair = (Norm(f"{p}input_layernorm", (qkv, up)),)
+            norms += pair
+            attn.append(pair[0].path)
+        if unembed is not None and not tied:
+            norms.append(Norm(f"{b}ln_f", (unembed,)))
+        c = model.config
+        return Layout("layer", tuple(norms),
+                      tuple((Lin(f"{p}self_attention.dense"), Lin(f"{p}mlp.dense_4h_to_h")) for p in L),
+                      bool(c.parallel_attn or c.new_decoder_architecture), (f"{b}word_embeddings",),
+                      tuple((Lin(f"{p}mlp.dense_h_to_4h"), Lin(f"{p}mlp.dense_4h_to_h")) for p in L),
+                      activation(model), unembed, tied, attn_norms=tuple(attn),
+                      final=final_norm(f"{b}ln_f", unembed, tied), layers=tuple(L))
 
     def attention_of(self, model):
         holder, _ = super().attention_of(model)

@@ -4,8 +4,10 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 import torch
+from torch import nn
 
 from attnid.adapters.base import Adapter, Config, cfg, cfg_float, cfg_int, find_first
+from attnid.adapters.layout import Layout, Lin, Norm, activation, base_prefix, final_norm, lm_head
 from attnid.adapters.registry import register
 from attnid.spec import AttentionSpec
 from attnid.structure import Structure
@@ -60,6 +62,23 @@ class GPT2(Adapter):
         b = torch.cat([x.reshape(-1) for x in (w.b_Q, w.b_K, w.b_V)])
         return {f"{p}attn.c_attn.weight": W, f"{p}attn.c_attn.bias": b,
                 f"{p}attn.c_proj.weight": w.W_O.reshape(-1, d), f"{p}attn.c_proj.bias": w.b_O}
+
+    def layout(self, model: nn.Module) -> Layout:
+        b = base_prefix(model, "transformer")
+        n = model.config.n_layer
+        L = [f"{b}h.{i}." for i in range(n)]
+        unembed, tied = lm_head(model, "lm_head", f"{b}wte")
+        norms = [Norm(f"{p}ln_1", (Lin(f"{p}attn.c_attn", True),)) for p in L]
+        norms = [x for i, p in enumerate(L)
+                 for x in (norms[i], Norm(f"{p}ln_2", (Lin(f"{p}mlp.c_fc", True),)))]
+        if unembed is not None and not tied:  # a tied head cannot absorb the final gain
+            norms.append(Norm(f"{b}ln_f", (unembed,)))
+        return Layout("layer", tuple(norms),
+                      tuple((Lin(f"{p}attn.c_proj", True), Lin(f"{p}mlp.c_proj", True)) for p in L),
+                      False, (f"{b}wte", f"{b}wpe"),
+                      tuple((Lin(f"{p}mlp.c_fc", True), Lin(f"{p}mlp.c_proj", True)) for p in L),
+                      activation(model), unembed, tied, final=final_norm(f"{b}ln_f", unembed, tied),
+                      layers=tuple(L))
 
     def attention_of(self, model):
         attn = find_first(model, "Attention")

@@ -4,6 +4,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 import torch
+from torch import nn
 
 from attnid.adapters.base import (
     Adapter,
@@ -20,6 +21,7 @@ from attnid.adapters.base import (
     split_heads_out,
 )
 from attnid.adapters.config import source_of
+from attnid.adapters.layout import Layout, Lin, Norm, activation, base_prefix, final_norm, lm_head
 from attnid.adapters.registry import register
 from attnid.errors import AttnidError
 from attnid.spec import AttentionSpec
@@ -91,3 +93,20 @@ class GPTNeoX(Adapter):
             out[f"{p}attention.query_key_value.bias"] = torch.stack([w.b_Q, w.b_K, w.b_V], 1).reshape(-1)
             out[f"{p}attention.dense.bias"] = w.b_O
         return out
+
+    def layout(self, model: nn.Module) -> Layout:
+        b = base_prefix(model, "gpt_neox")
+        L = [f"{b}layers.{i}." for i in range(model.config.num_hidden_layers)]
+        unembed, tied = lm_head(model, "lm_head" if hasattr(model, "lm_head") else "embed_out",
+                                f"{b}embed_in")
+        norms = [x for p in L for x in (
+            Norm(f"{p}input_layernorm", (Lin(f"{p}attention.query_key_value"),)),
+            Norm(f"{p}post_attention_layernorm", (Lin(f"{p}mlp.dense_h_to_4h"),)))]
+        if unembed is not None and not tied:  # a tied head cannot absorb the final gain
+            norms.append(Norm(f"{b}final_layer_norm", (unembed,)))
+        return Layout("layer", tuple(norms),
+                      tuple((Lin(f"{p}attention.dense"), Lin(f"{p}mlp.dense_4h_to_h")) for p in L),
+                      bool(model.config.use_parallel_residual), (f"{b}embed_in",),
+                      tuple((Lin(f"{p}mlp.dense_h_to_4h"), Lin(f"{p}mlp.dense_4h_to_h")) for p in L),
+                      activation(model), unembed, tied,
+                      final=final_norm(f"{b}final_layer_norm", unembed, tied), layers=tuple(L))

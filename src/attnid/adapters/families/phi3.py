@@ -3,8 +3,10 @@
 from collections.abc import Mapping
 
 import torch
+from torch import nn
 
 from attnid.adapters.base import Adapter, merge_heads_in, merge_heads_out, split_heads_in, split_heads_out
+from attnid.adapters.layout import Layout, Lin, Norm, base_prefix, final_norm, lm_head
 from attnid.adapters.registry import register
 from attnid.spec import AttentionSpec
 from attnid.weights import AttentionWeights
@@ -32,3 +34,21 @@ class Phi3(Adapter):
         p = self.layer_prefix.format(i=i)
         qkv = torch.cat([merge_heads_in(w.W_Q), merge_heads_in(w.W_K), merge_heads_in(w.W_V)], dim=0)
         return {f"{p}self_attn.qkv_proj.weight": qkv, f"{p}self_attn.o_proj.weight": merge_heads_out(w.W_O)}
+
+    def layout(self, model: nn.Module) -> Layout:
+        """Llama's layout with fused ``qkv_proj`` and ``gate_up_proj`` (gate rows first)."""
+        b = base_prefix(model, "model")
+        L = [f"{b}layers.{i}." for i in range(model.config.num_hidden_layers)]
+        f = model.config.intermediate_size
+        unembed, tied = lm_head(model, "lm_head", f"{b}embed_tokens")
+        norms = [x for p in L for x in (Norm(f"{p}input_layernorm", (Lin(f"{p}self_attn.qkv_proj"),)),
+                                        Norm(f"{p}post_attention_layernorm", (Lin(f"{p}mlp.gate_up_proj"),)))]
+        if unembed is not None and not tied:
+            norms.append(Norm(f"{b}norm", (unembed,)))
+        return Layout("rms", tuple(norms),
+                      tuple((Lin(f"{p}self_attn.o_proj"), Lin(f"{p}mlp.down_proj")) for p in L),
+                      False, (f"{b}embed_tokens",),
+                      tuple((Lin(f"{p}mlp.gate_up_proj", rows=(f, 2 * f)), Lin(f"{p}mlp.down_proj"))
+                            for p in L),
+                      "gated", unembed, tied, final=final_norm(f"{b}norm", unembed, tied),
+                      gates=tuple(Lin(f"{p}mlp.gate_up_proj", rows=(0, f)) for p in L), layers=tuple(L))
