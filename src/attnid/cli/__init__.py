@@ -23,6 +23,7 @@ from attnid.cli import (  # noqa: F401  (register commands)
     audit,
     canonicalize,
     diff,
+    evaluate,
     identify,
     rewrite,
     training,
