@@ -13,19 +13,12 @@ from typing import Any
 
 import torch
 
+from attnid.checkpoint.evaluate import check_causal, load_causal_lm, token_nll
 from attnid.checkpoint.load import Checkpoint
 from attnid.checkpoint.tokens import Batches, read_chunks
 from attnid.errors import AttnidError
 from attnid.progress import Progress
 from attnid.whole.transforms.state import ModelTensors
-
-
-def check_causal(ck: Checkpoint) -> None:
-    archs = ck.config.get("architectures") or []
-    if not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
-        raise AttnidError(f"{ck.root}: the loss along the path needs a causal language model "
-                          f"(architectures {archs or 'not given'})")
-
 
 END_LOSS_RTOL = 1e-4  # aligned B against B, both evaluated in float32
 
@@ -35,29 +28,14 @@ class Evaluator:
     replaced by each point of the path in turn."""
 
     def __init__(self, ck: Checkpoint, dtype: torch.dtype = torch.float32) -> None:
-        from attnid.adapters.base import hf_model_class
-
-        try:  # transformers' refusals (an unknown class, a config it cannot build) in one line
-            self.model = hf_model_class(ck.config).from_pretrained(str(ck.root), dtype=dtype).eval()
-        except (OSError, ValueError, KeyError, TypeError, AttributeError, ImportError) as e:
-            raise AttnidError(f"{ck.root}: transformers cannot load this model "
-                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
+        self.model = load_causal_lm(ck, dtype)  # the evaluator `attnid eval` runs
         self.dtype = dtype
 
     def loss(self, m: ModelTensors, data: Batches) -> float:
         from attnid.adapters.base import load_weights
 
         load_weights(self.model, {k: v.to(self.dtype) for k, v in m.tensors.items() if v.is_floating_point()})
-        total, count = 0.0, 0
-        with torch.no_grad():
-            for i in range(0, data.ids.shape[0], data.batch):
-                x = data.ids[i:i + data.batch]
-                logits = self.model(input_ids=x).logits[:, :-1].to(torch.float64)  # [b, T-1, V]
-                target = x[:, 1:]
-                total += float(torch.nn.functional.cross_entropy(
-                    logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="sum"))
-                count += target.numel()
-        return total / count
+        return token_nll(self.model, data).mean
 
 
 def path_losses(ev: Evaluator, A: ModelTensors, B: ModelTensors, data: Batches, alphas: list[float],
