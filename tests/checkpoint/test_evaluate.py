@@ -122,6 +122,18 @@ def test_refusals(tiny, capsys, args, file, words):
     assert fingerprint(tiny["model"].parent) == before
 
 
+def test_a_model_that_is_not_causal_is_refused(tiny, capsys, tmp_path):
+    import shutil
+
+    d = tmp_path / "classifier"
+    shutil.copytree(tiny["model"], d)
+    config = json.loads((d / "config.json").read_text())
+    config["architectures"] = ["LlamaForSequenceClassification"]
+    (d / "config.json").write_text(json.dumps(config))
+    code, _, err = run(capsys, "eval", d, "--calibration", tiny["text"])
+    assert_one_error(code, err, str(d), ["causal language model", "LlamaForSequenceClassification"])
+
+
 def test_a_bad_scheme_is_refused_before_the_model_is_read(capsys, tmp_path):
     code, _, err = run(capsys, "eval", tmp_path / "no-model", "--calibration", tmp_path / "no.txt",
                        "--quantize", "w9")
