@@ -1,5 +1,6 @@
 """One smoke-scale experiment (every run, the same-point and gradient-flow measurements, the
-AdamW anatomy), shared by the tests that read it."""
+AdamW anatomy) and its training section (figures, tables, claims), shared by the tests that
+read them."""
 
 from __future__ import annotations
 
@@ -12,3 +13,11 @@ def smoke(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("experiment")
     return run_experiment(out, scale="smoke")
+
+
+@pytest.fixture(scope="session")
+def training(smoke, tmp_path_factory):
+    """The training section of the smoke experiment, its figures drawn under a folder of their own."""
+    from attnid.paper.training import training_section
+
+    return training_section(smoke, tmp_path_factory.mktemp("training") / "figures")

@@ -12,7 +12,7 @@ import pytest
 
 from attnid.paper import second_order as so
 from attnid.paper import training as tr
-from attnid.paper.document import Claim
+from attnid.paper.document import Claim, untabled
 
 
 def _claims(fn, data, *args) -> list[Claim]:
@@ -192,6 +192,7 @@ def test_the_section_draws_and_claims_without_the_runs_beyond_the_paper(smoke, t
     section = tr.training_section(data, tmp_path)
     assert section.claims and not any(c.claim.startswith(("[RoPE]", "[GQA]")) for c in section.claims)
     assert {f.path.name for f in section.figures} >= {"fig5_second_order.png", "fig6_vo_drift.png"}
+    assert untabled(section) == []  # the tables follow the runs there are
 
 
 # ---- the reference line, the signs, the rebalancing claims ---------------------------------------
@@ -256,7 +257,7 @@ def test_the_sawtooth_claim_fails_without_a_reset_or_without_regrowth(smoke):
     assert re.search(r"regrows to [0-9.]+× its largest reset value \(margin 100×\)", bad[2]), bad
 
 
-def test_fig9_alt_text_says_which_panels_are_log_log(smoke, tmp_path):
-    figures = tr.training_section(smoke, tmp_path).figures
+def test_fig9_alt_text_says_which_panels_are_log_log(training):
+    figures = training.figures
     fig = next(f for f in figures if f.path.name == "fig5_second_order.png")
     assert "three log-log panels" not in fig.alt and "(linear)" in fig.alt, fig.alt
