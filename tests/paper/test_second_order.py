@@ -12,7 +12,7 @@ import pytest
 
 from attnid.paper import second_order as so
 from attnid.paper import training as tr
-from attnid.paper.document import Claim, untabled
+from attnid.paper.document import Claim, quoted_numbers, table_values, untabled
 
 
 def _claims(fn, data, *args) -> list[Claim]:
@@ -261,3 +261,39 @@ def test_fig9_alt_text_says_which_panels_are_log_log(training):
     figures = training.figures
     fig = next(f for f in figures if f.path.name == "fig5_second_order.png")
     assert "three log-log panels" not in fig.alt and "(linear)" in fig.alt, fig.alt
+
+
+# ---- every number the section states is in its tables -----------------------------------------
+def test_every_number_of_the_training_section_is_in_its_tables(training, checks_every_number):
+    checks_every_number(training)
+
+
+def test_a_wrong_digit_or_sign_in_a_training_caption_is_found(training):
+    """The caption's signed numbers (beta's and tau's signed changes) with the sign flipped:
+    each is reported, unless a table happens to hold the opposite value too."""
+    values = table_values(training.tables)
+    fig = next(f for f in training.figures if f.path.name == "fig2_vo.png")
+    checked = 0
+    for q in quoted_numbers(fig.caption)[:6]:
+        if q.sign not in ("+", "-"):
+            continue
+        flipped = ("-" if q.sign == "+" else "+") + q.text[1:]
+        if any(quoted_numbers(flipped)[0].matches(v) for v in values):
+            continue  # a table holds the opposite value too: not a planted error
+        wrong = dataclasses.replace(fig, caption=fig.caption.replace(q.text, flipped, 1))
+        figures = tuple(wrong if f is fig else f for f in training.figures)
+        section = dataclasses.replace(training, figures=figures)
+        assert f"caption of fig2_vo.png: {flipped}" in untabled(section), (q.text, flipped)
+        checked += 1
+    assert checked, quoted_numbers(fig.caption)  # not vacuous
+
+
+@pytest.mark.parametrize("stem", ["training_second_order", "training_same_point", "training_fits",
+                                  "training_flow", "training_sweep", "training_anatomy",
+                                  "training_rebalancing", "training_bias_gradients", "training_variants",
+                                  "training_limits"])
+def test_each_training_table_holds_numbers_that_only_it_holds(training, stem):
+    """Without the table some stated number is untabled: no table is there for nothing."""
+    assert stem in {t.stem for t in training.tables}
+    rest = tuple(t for t in training.tables if t.stem != stem)
+    assert untabled(dataclasses.replace(training, tables=rest))
