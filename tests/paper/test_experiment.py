@@ -22,12 +22,9 @@ def _records(out: Path) -> list[dict]:
     return [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_experiment_smoke_writes_every_figure_and_claim(smoke, tmp_path):
-    from attnid.paper.training import training_section
-
-    data = smoke
-    section = training_section(data, tmp_path / "figures")
-    figs = {p.name for p in (tmp_path / "figures").iterdir()}
+def test_experiment_smoke_writes_every_figure_and_claim(smoke, training):
+    data, section = smoke, training
+    figs = {p.name for p in section.figures[0].path.parent.iterdir()}
     assert {"fig2_qk.png", "fig2_vo.png", "fig3_bias_grads.png", "fig4_drift_qk.png", "fig4_drift_vo.png",
             "fig2_qk_rope.png", "fig2_qk_gqa.png", "fig_project.png", "fig5_second_order.png",
             "fig6_vo_drift.png"} <= figs

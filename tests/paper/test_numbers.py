@@ -1,5 +1,7 @@
 """Every number a section prints (text, captions, claims) is a cell of its tables, to the
-precision printed: `attnid.paper.document.untabled`, checked against planted errors."""
+precision printed: `attnid.paper.document.untabled`, checked against planted errors, and on
+the whole-model section (the training section: tests/paper/test_second_order.py, beside the
+smoke experiment it is built from; the pretrained section: tests/paper/test_pretrained.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from attnid.paper.document import Claim, Figure, Section, Table, quoted_numbers, untabled
+from attnid.paper.document import (
+    Claim,
+    Context,
+    Figure,
+    Section,
+    Table,
+    quoted_numbers,
+    untabled,
+)
+from attnid.progress import Progress
 
 ROWS = [{"run": "AdamW lr 0.0001", "beta_vo_per_time": -1.4e-05, "gain": 0.0391, "share": 0.1445, "n": 512}]
 
@@ -23,6 +34,8 @@ def _section(caption: str, evidence: str = "", text: str = "") -> Section:
     ("removes 14.5% of it", [("", 0.145)]),
     ("all-MiniLM-L6-v2, rho_qk, C_0, float32, x10, step-1", [("", 1.0)]),
     ("1,024 lines, ±0.02.", [("", 1024.0), ("±", 0.02)]),
+    ("docs/theory.md §9.3, § 13.17; the paper's Fig. 2, Figs. 2-4, Section 5, section 13, Table 1: 0.5",
+     [("", 0.5)]),  # references are names, not quantities
 ])
 def test_numbers_are_read_as_printed_and_names_are_skipped(text, want):
     got = [(q.sign, q.value) for q in quoted_numbers(text)]
@@ -50,3 +63,11 @@ def test_a_planted_wrong_number_is_found(caption, bad):
 def test_claims_and_text_are_read_too():
     assert untabled(_section("ok", evidence="gain 0.05")) == ["claim 'a claim': 0.05"]
     assert untabled(_section("ok", text="share 0.15")) == ["text: 0.15"]
+
+
+# ---- on a real section ------------------------------------------------------------------------
+@pytest.mark.slow
+def test_every_number_of_the_whole_model_section_is_in_its_tables(tmp_path, checks_every_number):
+    from attnid.paper.whole import whole_model_section
+
+    checks_every_number(whole_model_section(Context(tmp_path, True, Progress(enabled=False))))

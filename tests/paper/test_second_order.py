@@ -12,7 +12,7 @@ import pytest
 
 from attnid.paper import second_order as so
 from attnid.paper import training as tr
-from attnid.paper.document import Claim
+from attnid.paper.document import Claim, quoted_numbers, table_values, untabled
 
 
 def _claims(fn, data, *args) -> list[Claim]:
@@ -192,6 +192,7 @@ def test_the_section_draws_and_claims_without_the_runs_beyond_the_paper(smoke, t
     section = tr.training_section(data, tmp_path)
     assert section.claims and not any(c.claim.startswith(("[RoPE]", "[GQA]")) for c in section.claims)
     assert {f.path.name for f in section.figures} >= {"fig5_second_order.png", "fig6_vo_drift.png"}
+    assert untabled(section) == []  # the tables follow the runs there are
 
 
 # ---- the reference line, the signs, the rebalancing claims ---------------------------------------
@@ -256,7 +257,43 @@ def test_the_sawtooth_claim_fails_without_a_reset_or_without_regrowth(smoke):
     assert re.search(r"regrows to [0-9.]+× its largest reset value \(margin 100×\)", bad[2]), bad
 
 
-def test_fig9_alt_text_says_which_panels_are_log_log(smoke, tmp_path):
-    figures = tr.training_section(smoke, tmp_path).figures
+def test_fig9_alt_text_says_which_panels_are_log_log(training):
+    figures = training.figures
     fig = next(f for f in figures if f.path.name == "fig5_second_order.png")
     assert "three log-log panels" not in fig.alt and "(linear)" in fig.alt, fig.alt
+
+
+# ---- every number the section states is in its tables -----------------------------------------
+def test_every_number_of_the_training_section_is_in_its_tables(training, checks_every_number):
+    checks_every_number(training)
+
+
+def test_a_wrong_digit_or_sign_in_a_training_caption_is_found(training):
+    """The caption's signed numbers (beta's and tau's signed changes) with the sign flipped:
+    each is reported, unless a table happens to hold the opposite value too."""
+    values = table_values(training.tables)
+    fig = next(f for f in training.figures if f.path.name == "fig2_vo.png")
+    checked = 0
+    for q in quoted_numbers(fig.caption)[:6]:
+        if q.sign not in ("+", "-"):
+            continue
+        flipped = ("-" if q.sign == "+" else "+") + q.text[1:]
+        if any(quoted_numbers(flipped)[0].matches(v) for v in values):
+            continue  # a table holds the opposite value too: not a planted error
+        wrong = dataclasses.replace(fig, caption=fig.caption.replace(q.text, flipped, 1))
+        figures = tuple(wrong if f is fig else f for f in training.figures)
+        section = dataclasses.replace(training, figures=figures)
+        assert f"caption of fig2_vo.png: {flipped}" in untabled(section), (q.text, flipped)
+        checked += 1
+    assert checked, quoted_numbers(fig.caption)  # not vacuous
+
+
+@pytest.mark.parametrize("stem", ["training_second_order", "training_same_point", "training_fits",
+                                  "training_flow", "training_sweep", "training_anatomy",
+                                  "training_rebalancing", "training_bias_gradients", "training_variants",
+                                  "training_limits"])
+def test_each_training_table_holds_numbers_that_only_it_holds(training, stem):
+    """Without the table some stated number is untabled: no table is there for nothing."""
+    assert stem in {t.stem for t in training.tables}
+    rest = tuple(t for t in training.tables if t.stem != stem)
+    assert untabled(dataclasses.replace(training, tables=rest))

@@ -91,6 +91,9 @@ class Context:
 # a number as prose prints it: an optional sign, digits (thousands separated by commas), a
 # fraction, an exponent, a percent sign; never part of a name (L6, v2, rho_qk, C_0, float32)
 NUMBER = re.compile(r"(?<![\w.])([+\-−±]?)(\d{1,3}(?:,\d{3})+|\d+)(\.\d+)?([eE][+\-]?\d+)?(%?)(?![\w])")
+# a reference, not a quantity: §9.3, Fig. 2, Figs. 2-4, Section 5, section 13, Table 1
+REFERENCE = re.compile(r"(?:§\s?|\b(?:figs?\.|sections?|tables?)\s)\d+(?:\.\d+)*(?:[-–]\d+(?:\.\d+)*)?",
+                       re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -113,9 +116,10 @@ class Quoted:
 
 
 def quoted_numbers(text: str) -> list[Quoted]:
-    """Every number printed in ``text`` (see :data:`NUMBER`)."""
+    """Every number printed in ``text`` (see :data:`NUMBER`), references (:data:`REFERENCE`)
+    left out."""
     out = []
-    for m in NUMBER.finditer(text):
+    for m in NUMBER.finditer(REFERENCE.sub(" ", text)):
         sign, whole, frac, exp, pct = m.groups()
         digits = len(frac) - 1 if frac else 0
         scale = (10.0 ** int(exp[1:])) if exp else 1.0

@@ -33,6 +33,7 @@ from attnid.train.loop import TrainConfig, make_optimizer
 from attnid.train.model import GPT
 from attnid.weights import SIDES, Side, grams
 
+DRAWS = 3  # isotropic random directions averaged by the update anatomy
 TINY_LR = 1e-4  # a step whose true drift (~1e-8 of one at lr 1) is far below float32 rounding
 FLOW_TIME = 0.25  # lr * steps of each gradient-descent run from the trained weights
 FLOW_LRS = (0.0625, 0.03125, 0.015625, 0.0078125)  # 4 to 32 steps each
@@ -237,7 +238,7 @@ class Anatomy:
         return cls({name: {side: v[flat_key("rho", side)] for side in SIDES} for name, v in d.items()})
 
 
-def update_anatomy(run_dir: Path, draws: int = 3) -> Anatomy:
+def update_anatomy(run_dir: Path, draws: int = DRAWS) -> Anatomy:
     """Where AdamW's orbit motion comes from, at the end of an AdamW run (needs its checkpoint
     with the optimizer state).
 

@@ -22,6 +22,7 @@ import numpy as np
 from matplotlib.figure import Figure as MplFigure
 from matplotlib.ticker import FixedLocator, NullFormatter, NullLocator
 
+from attnid.paper.drift import TINY_LR
 from attnid.paper.experiment import PAPER_CASES, SWEEP_LRS, VARIANTS, ExperimentData, RunData
 from attnid.stats import log_slope, median
 from attnid.symmetry.conserved import flat_key
@@ -396,8 +397,8 @@ def floor_claim(data: ExperimentData, add: Add) -> None:
              and sp.tiny64[s] < LIMITS.tiny_below_floor * sp.floor32[s] for s in SIDES)
     add("float32 drift measurements have a rounding floor at eps32 * (||G_left|| + ||G_right||): a float32 "
         "step too small to drift reports it",
-        ok, "; ".join(f"{s.upper()}: a float32 step of lr 1e-4 reports {sp.floor32[s]:.2g}, eps32 * Gram "
-                      f"norms {sp.floor_eps[s]:.2g}, the same step in float64 {sp.tiny64[s]:.2g}"
+        ok, "; ".join(f"{s.upper()}: a float32 step of lr {TINY_LR:g} reports {sp.floor32[s]:.2g}, eps32 * "
+                      f"Gram norms {sp.floor_eps[s]:.2g}, the same step in float64 {sp.tiny64[s]:.2g}"
                       for s in SIDES))
 
 

@@ -15,13 +15,14 @@ import numpy as np
 from matplotlib.figure import Figure as MplFigure
 from matplotlib.ticker import NullFormatter
 
-from attnid.paper import second_order
+from attnid.paper import measures, second_order
 from attnid.paper.document import Claim, Figure, Section, Table
+from attnid.paper.drift import DRAWS, TINY_LR
 from attnid.paper.experiment import PAPER_CASES, VARIANTS, ExperimentData, RunData, title
+from attnid.paper.measures import bias_grads, drift_fit, loss_gap, qk_share, sawtooth, sweep_lr, tangent_share
 from attnid.paper.second_order import lr_axis
-from attnid.stats import log_slope, median, medians
+from attnid.stats import median, medians
 from attnid.symmetry.conserved import flat_key
-from attnid.theory import count
 from attnid.weights import SIDES, Side
 
 SECTION = "Training"
@@ -94,16 +95,6 @@ def fig3(data: ExperimentData, cases: list[str], path: Path) -> Path:
     return _save(fig, path)
 
 
-def drift_fit(data: ExperimentData, sweep: list[str], side: Side, *, first: bool = False
-              ) -> tuple[np.ndarray, np.ndarray, float]:
-    """Log-log fit of drift against lr: over the whole run, or at step 1 (``first``), where
-    every run of the sweep starts from the same weights and batch."""
-    lrs = np.array([float(c.removeprefix("sweep_lr")) for c in sweep])
-    pick = (lambda d: d[0].mean()) if first else (lambda d: d[1:].mean())
-    drift = np.array([pick(data.runs[c].side(side).drift) for c in sweep])
-    return lrs, drift, log_slope(lrs, drift)
-
-
 def fig4(data: ExperimentData, sweep: list[str], side: Side, path: Path) -> float:
     fig = MplFigure(figsize=(11, 4.6))
     a, b = fig.subplots(1, 2)
@@ -157,6 +148,24 @@ class Thresholds:
 
 
 LIMITS = Thresholds()
+THEORY = {"theory: slope of one step's drift against lr": 2.0,
+          "theory: slope of a fixed time's drift against lr": 1.0}
+
+
+def limit_rows() -> list[dict]:
+    """Every named line the claims draw, the theory's slopes and the fixed sizes of the probes."""
+    named = {**{f"training: {k}": v for k, v in vars(LIMITS).items()},
+             **{f"second order: {k}": v for k, v in vars(second_order.LIMITS).items()},
+             "second order: spike share": second_order.SPIKE_SHARE,
+             "second order: spike update norm factor": second_order.SPIKE_NORM,
+             "second order: moved (not described below)": second_order.MOVED,
+             "probe: tiny lr of the rounding floor": TINY_LR, "probe: isotropic draws of the anatomy": DRAWS,
+             **THEORY}
+    rows = []
+    for name, v in named.items():
+        lo, hi = v if isinstance(v, tuple) else (v, None)
+        rows.append({"limit": name, "value": lo} if hi is None else {"limit": name, "low": lo, "high": hi})
+    return rows
 
 
 def claims(data: ExperimentData, prefix: str = "", share: float | None = None,
@@ -191,7 +200,7 @@ def claims(data: ExperimentData, prefix: str = "", share: float | None = None,
     add(*rebalance_loss_claim(adam, reb))
     add(*sawtooth_claim(adam, reb, data.configs[prefix + "adamw_rebalance"].correct))
     if adam.grad_norm_bk is not None:
-        bk, bq = _bias_grads(data, [prefix + c for c in ("adamw",)])
+        bk, bq = bias_grads(data, [prefix + c for c in ("adamw",)])
         if key_bias_free:  # float32 training: "numerically zero" is ~1e-7 relative
             add("the key-bias gradient is numerically zero, the query-bias gradient is not",
                 bk < LIMITS.key_bias_zero * bq, f"max |grad b_K| {bk:.2e}, median |grad b_Q| {bq:.2e}")
@@ -201,20 +210,10 @@ def claims(data: ExperimentData, prefix: str = "", share: float | None = None,
     return out
 
 
-def loss_gap(adam: RunData, reb: RunData) -> tuple[float, float, float]:
-    """Rebalancing against plain AdamW, same seed and batches, so each logged step is a paired
-    comparison: (largest train-loss difference over the logged steps, final validation-loss
-    difference, AdamW's loss drop from its step-1 train loss to its final validation loss)."""
-    drop = float(adam.loss[0] - (adam.val_loss[-1] if adam.val_loss.size else adam.loss[-1]))
-    train = float(np.max(np.abs(reb.loss - adam.loss)))
-    both = adam.val_loss.size and reb.val_loss.size
-    return train, float(abs(reb.val_loss[-1] - adam.val_loss[-1])) if both else 0.0, drop
-
-
 def rebalance_loss_claim(adam: RunData, reb: RunData) -> tuple[str, bool, str]:
     """The loss differences of :func:`loss_gap` against a share of AdamW's loss drop."""
     train, val, drop = loss_gap(adam, reb)
-    margin = LIMITS.loss_share * drop
+    margin = LIMITS.loss_share * drop  # measures.rebalancing_rows tables it
     return (f"rebalancing leaves AdamW's loss curve unchanged: on the same batches, every logged loss "
             f"differs by less than {LIMITS.loss_share:.0%} of AdamW's loss drop",
             drop > 0 and max(train, val) < margin,
@@ -225,34 +224,20 @@ def rebalance_loss_claim(adam: RunData, reb: RunData) -> tuple[str, bool, str]:
 def sawtooth_claim(adam: RunData, reb: RunData, correct: str) -> tuple[str, bool, str]:
     """At the logged rebalancing steps the mean beta_qk is reset to rounding level; at the logged
     steps between them AdamW regrows it (a sawtooth), when any are logged."""
-    from attnid.monitor import parse_correction
-
-    every = parse_correction(correct)[1]
-    bm, ba = reb.qk.beta.mean(1), adam.qk.beta.mean(1)  # [S]
-    at = (reb.step % every == 0) & (reb.step > 0)
-    between = ~at & (reb.step > every)
-    if not at.any():
+    every, n_at, reset, grown = sawtooth(reb, adam, correct)
+    if reset is None:
         return ("rebalancing resets beta_qk to ~0", False,
                 f"no logged step is a rebalancing step (every {every})")
-    reset = float(np.max(bm[at] / ba[at]))
-    text = (f"at the {int(at.sum())} logged rebalancing steps (every {every}) the rebalanced mean beta_qk is "
+    text = (f"at the {n_at} logged rebalancing steps (every {every}) the rebalanced mean beta_qk is "
             f"at most {reset:.2g} of AdamW's (margin {LIMITS.reset_level:g})")
-    if not between.any():
+    if grown is None:
         return ("rebalancing resets beta_qk to ~0 at each rebalancing step (no step between them is logged: "
                 "the regrowth is not observed)", reset < LIMITS.reset_level, text)
-    grown = float(np.max(bm[between])) / max(float(np.max(bm[at])), 1e-300)
     return ("rebalancing makes beta_qk a sawtooth: reset to ~0 at each rebalancing step, regrown by AdamW "
             "between them",
             reset < LIMITS.reset_level and grown > LIMITS.regrowth,
             f"{text}; between them it regrows to {grown:.3g}× its largest reset value (margin "
             f"{LIMITS.regrowth:g}×)")
-
-
-def _bias_grads(data: ExperimentData, cases: list[str]) -> tuple[float, float]:
-    """(max |grad b_K|, median |grad b_Q|) over every logged step and head of ``cases``."""
-    runs = [data.runs[c] for c in cases if data.runs[c].grad_norm_bk is not None]
-    return (float(max(np.max(np.abs(r.grad_norm_bk)) for r in runs)),
-            median([np.abs(r.grad_norm_bq) for r in runs]))
 
 
 def anatomy_claims(data: ExperimentData) -> list[Claim]:
@@ -283,30 +268,17 @@ def anatomy_claims(data: ExperimentData) -> list[Claim]:
 
 
 def sweep_claim(data: ExperimentData, sweep: list[str]) -> Claim:
-    ordered = sorted(sweep, key=lambda c: -float(c.removeprefix("sweep_lr")))
+    ordered = sorted(sweep, key=sweep_lr, reverse=True)
     mono = all(all(a > b for a, b in itertools.pairwise(drift_fit(data, ordered, side)[1].tolist()))
                for side in SIDES)
     s = {side: drift_fit(data, sweep, side)[2] for side in SIDES}
     s1 = {side: drift_fit(data, sweep, side, first=True)[2] for side in SIDES}
     return Claim(SECTION, "over whole SGD runs, drift falls with the learning rate (the paper's Fig. 4)",
                  mono and s["qk"] > 0 and s["vo"] > 0,
-                 f"mean drift decreases monotonically from lr 0.5 to 0.0625: {mono}; whole-run log-log "
+                 f"mean drift decreases monotonically from lr {sweep_lr(ordered[0]):g} to "
+                 f"{sweep_lr(ordered[-1]):g}: {mono}; whole-run log-log "
                  f"slope QK {s['qk']:.2f}, VO {s['vo']:.2f} (not 2: each lr follows its own trajectory); "
                  f"at step 1 in float32 QK {s1['qk']:.2f}, VO {s1['vo']:.2f}")
-
-
-def tangent_share(spec, side: Side = "qk") -> float:
-    """Orbit dimension over the parameter count of one side (what an isotropic update's rho
-    averages): QK gauge and key-bias translation; VO gauge and value-bias translation."""
-    comps = count(spec).components
-    keys = ("qk_gauge", "key_bias_translation") if side == "qk" else ("vo_gauge", "value_bias_translation")
-    parts = [comps[k] for k in keys if k in comps]
-    return sum(p.unidentified for p in parts) / sum(p.params for p in parts)
-
-
-def qk_share(spec) -> float:
-    """Tangent share of the QK side's parameters (:func:`tangent_share` of the QK side)."""
-    return tangent_share(spec, "qk")
 
 
 def summary_rows(data: ExperimentData) -> list[dict]:
@@ -386,7 +358,7 @@ def caption_fig2_vo(data: ExperimentData) -> str:
 
 
 def caption_fig3(data: ExperimentData) -> str:
-    bk, bq = _bias_grads(data, list(PAPER_CASES))
+    bk, bq = bias_grads(data, list(PAPER_CASES))
     return (f"The paper's Fig. 3: the key-bias gradient (right) stays at float32 rounding level in every "
             f"case (largest {bk:.1e}), {np.log10(bq / bk):.0f} orders below the query-bias gradient "
             f"(left, median {bq:.1e}), on the same scale.")
@@ -574,4 +546,5 @@ def training_section(data: ExperimentData, figures: Path) -> Section:
                   notes=("rho: median over logged steps after the first; beta: mean over heads; Δbeta_vo: "
                          "last minus first; Σ‖Δw_QK‖², Σ‖Δw_VO‖²: sum over all steps after the first of the "
                          "squared update of each side of each layer, summed over layers.",))
-    return Section("Training: the paper's Section 5 and beyond", text, (table,), tuple(figs), tuple(found))
+    tables = (table, *measures.tables(data, LIMITS.loss_share), Table("training_limits", limit_rows()))
+    return Section("Training: the paper's Section 5 and beyond", text, tables, tuple(figs), tuple(found))

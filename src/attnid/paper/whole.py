@@ -102,6 +102,12 @@ def run_section(quick: bool, progress: Progress | None = None) -> Section:
               ", ".join(f"{r['model']} {r['unidentified_ratio']:.2e}" for r in counts)),
     )
     view = [{**r, "identified_share": f"{r['identified_share']:.4%}"} for r in counts]
+    discrete = {"model": "tiny GPT-NeoX, parallel first layer", "hidden_size": _NEOX["hidden_size"],
+                "vocab_size": _NEOX["vocab_size"], "unidentified": neox.unidentified,
+                "discrete_inputs": neox.components["discrete_inputs"].unidentified}
+    totals = {"checked": len(checks), "agree": sum(r["agree"] for r in checks), "counted": len(counts),
+              "exact": sum(r["exact"] for r in counts), "unidentified_ratio_limit": 0.02}
     tables = (Table("whole_model_counts", counts, columns=COUNT_COLUMNS, view=view),
-              Table("whole_model_checks", checks))
+              Table("whole_model_checks", checks), Table("whole_model_discrete", [discrete]),
+              Table("whole_model_totals", [totals]))
     return Section(TITLE, "\n".join(lines), tables=tables, claims=claims)
