@@ -5,6 +5,7 @@ the paper scale's path (runs in their own processes, report built from them) at 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -214,6 +215,22 @@ def test_paper_scale_is_the_papers_model_and_steps():
     assert (m.n_layers, m.n_heads, m.d_model, m.block_size) == (6, 6, 384, 256)
     assert {(c.steps, c.batch_size, c.device) for c in runs.values()} == {(5000, 64, "cuda")}
     assert SIZES["paper"].whole_checked is None and not SIZES["paper"].pretrained_quick
+
+
+def test_each_scale_runs_at_least_what_the_smaller_one_does():
+    from attnid.adapters.config import bundled
+    from attnid.paper.experiment import SCALES
+    from attnid.paper.scales import SCALE_NAMES, SIZES
+
+    everything = set(bundled())
+    assert all(set(s.whole_checked or ()) <= everything for s in SIZES.values())
+    for small, big in itertools.pairwise(SCALE_NAMES):
+        a, b = SIZES[small], SIZES[big]
+        assert SCALES[a.training].steps < SCALES[b.training].steps, (small, big)
+        assert set(a.table1_widths) <= set(b.table1_widths), (small, big)
+        assert set(a.table5_arbiter_widths) <= set(b.table5_arbiter_widths), (small, big)
+        checked = lambda s: everything if s.whole_checked is None else set(s.whole_checked)  # noqa: E731
+        assert checked(a) <= checked(b) and a.whole_confirm <= b.whole_confirm, (small, big)
 
 
 @pytest.fixture(scope="module")

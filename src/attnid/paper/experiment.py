@@ -40,8 +40,8 @@ class Scale:
 SCALES = {
     # a smoke test of the whole pipeline (tests only): effects are not expected to show
     "smoke": Scale("tiny", steps=20, batch_size=4, log_every=5, eval_every=10, rebalance_every=10),
-    # reproduce --quick: a couple of minutes for everything on two cores
-    "quick": Scale("tiny", steps=150, batch_size=16, log_every=10, eval_every=50, rebalance_every=50),
+    # reproduce --scale quick: under a minute of training on two cores
+    "quick": Scale("tiny", steps=100, batch_size=16, log_every=10, eval_every=50, rebalance_every=50),
     # reproduce's default: effects visible in about a minute of training on two cores
     "default": Scale("tiny", steps=250, batch_size=32, log_every=10, eval_every=50, rebalance_every=50),
     # reproduce --scale full (the default until this release): effects clearly visible

@@ -13,7 +13,7 @@ counts as ``quick`` when ``ctx.quick``, else ``full``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -31,6 +31,8 @@ class Sizes:
 
     training: str  # the experiment's scale
     table1_widths: tuple[int, ...]  # d_model of Table 1's cells (every H <= 8 dividing it)
+    table3_confirm: bool  # each Table 3 count confirmed by the arbiter at a second seed
+    table4_whole_numeric: bool  # Table 4's whole-model cells of the families without a closed form
     table5_arbiter_widths: tuple[int, ...]  # Table 5's widths also counted by the arbiter
     whole_checked: tuple[str, ...] | None  # bundled families the whole-model arbiter checks; None: all
     whole_confirm: bool  # each whole-model check confirmed at a second seed
@@ -38,13 +40,24 @@ class Sizes:
 
 
 WHOLE_SAMPLE = ("gpt2", "Llama-2-7b", "Qwen3-8B")  # LayerNorm + positions; RMSNorm; QK-norm
+# one bundled model per architecture (the cheapest reduced config of each): the 70B configs and
+# the second size of a family add minutes and no structure
+WHOLE_PER_ARCHITECTURE = ("Llama-2-7b", "Mistral-7B-v0.1", "Phi-3-mini-4k-instruct", "Qwen2.5-0.5B",
+                          "Qwen3-8B", "bert-base-uncased", "falcon-7b", "gemma-7b", "gpt2", "pythia-1.4b",
+                          "roberta-base")
 
 SIZES: dict[str, Sizes] = {
-    "quick": Sizes("quick", (8, 12, 16), (4, 6), WHOLE_SAMPLE, False, True),
-    "default": Sizes("default", (8, 12, 16), (4, 6), None, False, False),
-    "full": Sizes("full", (8, 12, 16, 24), (4, 6, 8), None, True, False),
-    "paper": Sizes("paper", (8, 12, 16, 24), (4, 6, 8), None, True, False),
+    "quick": Sizes("quick", table1_widths=(8, 12, 16), table3_confirm=False, table4_whole_numeric=False,
+                   table5_arbiter_widths=(4, 6), whole_checked=WHOLE_SAMPLE, whole_confirm=False,
+                   pretrained_quick=True),
+    "default": Sizes("default", table1_widths=(8, 12, 16), table3_confirm=False, table4_whole_numeric=False,
+                     table5_arbiter_widths=(4, 6), whole_checked=WHOLE_PER_ARCHITECTURE, whole_confirm=False,
+                     pretrained_quick=False),
+    "full": Sizes("full", table1_widths=(8, 12, 16, 24), table3_confirm=True, table4_whole_numeric=True,
+                  table5_arbiter_widths=(4, 6, 8), whole_checked=None, whole_confirm=True,
+                  pretrained_quick=False),
 }
+SIZES["paper"] = replace(SIZES["full"], training="paper")  # the other sections as at full
 
 
 @dataclass(frozen=True)
