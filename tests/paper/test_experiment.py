@@ -74,7 +74,7 @@ def test_one_sgd_step_moves_c_only_at_second_order(tmp_path, variant):
     """beta's C is the right conserved quantity: one float64 SGD step changes it by at most
     ||lr g_QK||^2 (slope 2 in lr); the per-head unprojected quantity moves at first order
     whenever RoPE or GQA make it the wrong one."""
-    from attnid.paper.experiment import same_point_drift
+    from attnid.paper.drift import same_point_drift
 
     model = GPTConfig(**{**TINY.to_dict(), **variant, "attn_bias": "qk"})
     cfg = TrainConfig(model=model, optimizer="sgd", lr=0.1, steps=4, log_every=2, eval_every=4)

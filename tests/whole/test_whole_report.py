@@ -51,9 +51,10 @@ def test_missing_architectures_says_so(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_reproduce_section_quick():
+    from attnid.paper.scales import WHOLE_SAMPLE
     from attnid.paper.whole import run_section
 
-    s = run_section(quick=True)
+    s = run_section(WHOLE_SAMPLE, confirm=False)
     assert s.claims and all(c.holds for c in s.claims), s.claims
     checks = next(t for t in s.tables if t.stem == "whole_model_checks").rows
     from attnid.paper.whole import DISCRETE

@@ -18,10 +18,11 @@ from pathlib import Path
 import numpy as np
 
 from attnid.errors import AttnidError
-from attnid.paper.drift import Anatomy, SamePoint, same_point_drift, update_anatomy
+from attnid.paper.drift import Anatomy, SamePoint
+from attnid.paper.runs import Job, Measure, Precision, launch, run_job
 from attnid.progress import Progress
 from attnid.symmetry.conserved import flat_key
-from attnid.train.loop import PRESETS, TrainConfig, train
+from attnid.train.loop import PRESETS, TrainConfig
 from attnid.train.model import GPTConfig
 from attnid.weights import Side
 
@@ -39,10 +40,12 @@ class Scale:
 SCALES = {
     # a smoke test of the whole pipeline (tests only): effects are not expected to show
     "smoke": Scale("tiny", steps=20, batch_size=4, log_every=5, eval_every=10, rebalance_every=10),
-    # reproduce --quick: a couple of minutes for everything on two cores
-    "quick": Scale("tiny", steps=150, batch_size=16, log_every=10, eval_every=50, rebalance_every=50),
-    # the CPU default: at most ~10 minutes on two cores, effects clearly visible
-    "cpu": Scale("tiny", steps=400, batch_size=32, log_every=10, eval_every=100, rebalance_every=100),
+    # reproduce --scale quick: under a minute of training on two cores
+    "quick": Scale("tiny", steps=100, batch_size=16, log_every=10, eval_every=50, rebalance_every=50),
+    # reproduce's default: effects visible in about a minute of training on two cores
+    "default": Scale("tiny", steps=250, batch_size=32, log_every=10, eval_every=50, rebalance_every=50),
+    # reproduce --scale full (the default until this release): effects clearly visible
+    "full": Scale("tiny", steps=400, batch_size=32, log_every=10, eval_every=100, rebalance_every=100),
     # the paper's settings (nanoGPT Shakespeare-char), for a GPU
     "paper": Scale("paper", steps=5000, batch_size=64, log_every=10, eval_every=250, rebalance_every=200),
 }
@@ -190,38 +193,74 @@ class ExperimentData:
         return self.configs["sgd"].model.n_heads
 
 
-def run_experiment(out: Path, *, scale: str = "cpu", beyond: bool = True, seed: int = 0,
-                   device: str = "cpu", progress: Progress | None = None) -> ExperimentData:
-    """Train every case (reusing identical runs) under ``out/runs``; return the measurements."""
+def _measure(name: str) -> Measure:
+    """What run ``name`` measures at its end: the same-point drift after each variant's SGD run
+    (with the gradient flow on the plain variant), the anatomy of AdamW's update after the plain
+    AdamW run."""
+    prefix = name.removesuffix("sgd")
+    if name.endswith("sgd") and prefix in VARIANTS:
+        return "same_point" if prefix else "same_point_flow"
+    return "anatomy" if name == "adamw" else "none"
+
+
+def run_experiment(out: Path, *, scale: str = "default", beyond: bool = True, seed: int = 0,
+                   device: str = "cpu", jobs: int = 1, precision: Precision = "fp32",
+                   progress: Progress | None = None) -> ExperimentData:
+    """Train every case (reusing identical runs) under ``out/runs``; return the measurements.
+
+    ``jobs > 1``: each distinct run trains in its own process, ``jobs`` at a time
+    (`attnid.paper.runs.launch`); otherwise one after the other in this process."""
     out = Path(out)
     shown = progress if progress is not None else Progress(enabled=False)
     runs = case_configs(scale, beyond=beyond, seed=seed, device=device)
-    done: dict[str, str] = {}
-    same_point: dict[str, SamePoint] = {}
-    anatomy: Anatomy | None = None
-    for i, (name, cfg) in enumerate(runs.items(), start=1):
-        key = json.dumps(cfg.to_dict(), sort_keys=True)
-        shown.run(i, len(runs), f"training {name} ({title(name)})")
-        if key in done:  # e.g. the sweep's lr 0.25 is case 1
+    first: dict[str, str] = {}  # the config's key -> the first run with it
+    for name, cfg in runs.items():  # e.g. the sweep's lr 0.25 is case 1
+        first.setdefault(json.dumps(cfg.to_dict(), sort_keys=True), name)
+    distinct = list(first.values())
+    for name in distinct:
+        (out / "runs" / name).mkdir(parents=True, exist_ok=True)
+        job = Job(runs[name], _measure(name), precision, SWEEP_LRS)
+        (out / "runs" / name / "job.json").write_text(json.dumps(job.to_dict(), indent=2))
+    if jobs > 1:
+        shown.line(f"training {len(distinct)} runs, {jobs} at a time, each its own process")
+        wall = launch([out / "runs" / n for n in distinct], jobs, shown)
+        (out / "timing.json").write_text(json.dumps({"jobs": jobs, "precision": precision, "wall_s": wall},
+                                                    indent=2))
+    else:
+        for i, name in enumerate(distinct, start=1):
+            shown.run(i, len(distinct), f"training {name} ({title(name)})")
+            job = Job.from_dict(json.loads((out / "runs" / name / "job.json").read_text()))
+            run_job(out / "runs" / name, job, progress=shown if shown.rich else False)
+    for name, cfg in runs.items():
+        src = first[json.dumps(cfg.to_dict(), sort_keys=True)]
+        if src != name:
             (out / "runs" / name).mkdir(parents=True, exist_ok=True)
             for f in ("config.json", "metrics.jsonl", "summary.json"):
-                (out / "runs" / name / f).write_text((out / "runs" / done[key] / f).read_text())
-            continue
-        prefix = name.removesuffix("sgd")
-        same = name.endswith("sgd") and prefix in VARIANTS  # the same-point analysis needs weights
-        keep = same or name == "adamw"  # ... and the anatomy AdamW's optimizer state
-        train(cfg, out / "runs" / name, progress=shown if shown.rich else False, checkpoint=keep)
-        if same:
-            shown.line(f"  {name}: one float64 step of each lr from the trained weights"
-                       + ("; gradient descent for a fixed time lr*steps" if not prefix else ""))
-            same_point[prefix] = same_point_drift(out / "runs" / name, SWEEP_LRS, flow=not prefix)
-        elif keep:
-            shown.line(f"  {name}: the tangent share of each ingredient of its last update")
-            anatomy = update_anatomy(out / "runs" / name)
-        (out / "runs" / name / "checkpoint.pt").unlink(missing_ok=True)
-        done[key] = name
-    (out / "same_point_drift.json").write_text(json.dumps({k: v.to_dict() for k, v in same_point.items()},
-                                                          indent=2))
-    if anatomy is not None:
-        (out / "update_anatomy.json").write_text(json.dumps(anatomy.to_dict(), indent=2))
-    return ExperimentData(out, runs, {n: load_run(out / "runs" / n) for n in runs}, same_point, anatomy)
+                (out / "runs" / name / f).write_text((out / "runs" / src / f).read_text())
+    data = load_experiment(out, list(runs))
+    same = {k: v.to_dict() for k, v in data.same_point.items()}
+    (out / "same_point_drift.json").write_text(json.dumps(same, indent=2))
+    if data.anatomy is not None:
+        (out / "update_anatomy.json").write_text(json.dumps(data.anatomy.to_dict(), indent=2))
+    return data
+
+
+def load_experiment(out: Path, names: list[str] | None = None) -> ExperimentData:
+    """An experiment's measurements read back from its folder (``names``: every run under
+    ``out/runs`` with metrics, in the experiment's order)."""
+    out = Path(out)
+    if names is None:
+        found = {p.parent.name for p in (out / "runs").glob("*/metrics.jsonl")}
+        order = list(case_configs("smoke"))
+        names = [n for n in order if n in found] + sorted(found - set(order))
+    missing = [n for n in PAPER_CASES if n not in names]
+    if missing:
+        raise AttnidError(f"{out / 'runs'} has no run {', '.join(missing)}: not an experiment folder "
+                          "(attnid experiment paper OUT, or OUT/experiment of attnid reproduce)")
+    configs = {n: TrainConfig.from_dict(json.loads((out / "runs" / n / "config.json").read_text()))
+               for n in names}
+    same_point = {prefix: SamePoint.from_dict(json.loads(p.read_text())) for prefix in VARIANTS
+                  if (p := out / "runs" / f"{prefix}sgd" / "same_point.json").exists()}
+    anatomy_file = out / "runs" / "adamw" / "anatomy.json"
+    anatomy = Anatomy.from_dict(json.loads(anatomy_file.read_text())) if anatomy_file.exists() else None
+    return ExperimentData(out, configs, {n: load_run(out / "runs" / n) for n in names}, same_point, anatomy)

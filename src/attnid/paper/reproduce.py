@@ -4,8 +4,9 @@ Writes under ``out``: ``tables/`` (CSV, JSON, Markdown), ``figures/`` (PNG), ``r
 a self-contained ``report.html`` (figures embedded) and ``summary.json`` (the claims).
 
 The report is assembled from *sections*. A section is a function ``(ctx: Context) ->
-Section`` (`attnid.paper.document`): it does its own work at the size ``ctx.quick``
-asks for, writes its figures (PNG) under ``ctx.figures``, reports its stages through
+Section`` (`attnid.paper.document`): it does its own work at the size its scale asks for
+(`attnid.paper.scales.sizes_of`; ``ctx.quick`` for the sections that know only that), writes
+its figures (PNG) under ``ctx.figures``, reports its stages through
 ``ctx.progress.stage(...)`` and returns
 
     Section(title, text,            # Markdown text under the title
@@ -24,6 +25,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -35,6 +37,7 @@ from matplotlib.figure import Figure as MplFigure
 from attnid.arbiter.compare import verify
 from attnid.arbiter.rank import randomize_
 from attnid.attention import Attention
+from attnid.errors import AttnidError
 from attnid.paper.document import (
     Claim,
     Context,
@@ -45,8 +48,9 @@ from attnid.paper.document import (
     render_markdown,
     write_table,
 )
-from attnid.paper.experiment import run_experiment
+from attnid.paper.experiment import load_experiment, run_experiment
 from attnid.paper.pretrained import pretrained_section
+from attnid.paper.scales import SIZES, RunContext, experiment_options, sizes_of
 from attnid.paper.training import training_section
 from attnid.paper.whole import whole_model_section
 from attnid.progress import Progress
@@ -177,11 +181,11 @@ VARIANTS = [
 ]
 
 
-def table3() -> tuple[list[dict], list[Claim]]:
+def table3(confirm: bool = True) -> tuple[list[dict], list[Claim]]:
     rows = []
     for label, kw in VARIANTS:
         spec = AttentionSpec(**kw)
-        v = verify(spec, confirm=True)
+        v = verify(spec, confirm=True if confirm else None)  # None: a second look where needed
         rows.append({"variant": label, "spec": spec.describe(), "params": v.theory.total,
                      "unidentified_theory": v.theory.unidentified, "unidentified_arbiter": v.arbiter.nullity,
                      "near_theory": v.theory.near_unidentified, "near_arbiter": v.arbiter.near_nullity,
@@ -190,7 +194,9 @@ def table3() -> tuple[list[dict], list[Claim]]:
     by = {r["variant"]: r for r in rows}
     claims = [
         _claim("counts for RoPE, GQA/MQA, QK-norm and their combinations match the arbiter",
-               n_ok == len(rows), f"{n_ok}/{len(rows)} agree (each confirmed at a second seed)", "Table 3"),
+               n_ok == len(rows), f"{n_ok}/{len(rows)} agree"
+               + (" (each confirmed at a second seed)" if confirm else
+                  " (a second seed wherever the first look was borderline)"), "Table 3"),
         _claim("RoPE and GQA raise the identified share",
                by["full RoPE, half pairing"]["ratio"] < by["MHA"]["ratio"]
                and by["GQA (G=2)"]["ratio"] < by["MHA"]["ratio"],
@@ -211,11 +217,18 @@ TABLE4_COLUMNS = {"model": "model", "family": "family", "layers": "layers", "hea
                   "qk_unid_no_rope": "QK gauge unid./layer, no RoPE"}
 
 
-def table4() -> tuple[list[dict], list[Claim], list[dict], tuple[str, ...]]:
-    """All rows, the claims, and the compact view shown in the report with its footnotes."""
-    from attnid.report.models import all_reports, summary_row
+def table4(whole_numeric: bool = True) -> tuple[list[dict], list[Claim], list[dict], tuple[str, ...]]:
+    """All rows, the claims, and the compact view shown in the report with its footnotes.
 
-    reports = all_reports()
+    ``whole_numeric=False`` leaves out the whole-model cells (``model_params``, ``whole_*``) of
+    the families without a closed form: the whole-model arbiter on their reduced configs is
+    most of this table's time."""
+    from attnid.adapters.config import bundled, load_config
+    from attnid.adapters.registry import adapter_for
+    from attnid.report.models import model_report, summary_row
+
+    reports = [model_report(n, with_params=whole_numeric or adapter_for(load_config(n)[1]).closed_form)
+               for n in bundled()]
     rows = [summary_row(r) for r in reports]
     llama = next(r for r in rows if r["model"] == "Llama-2-70b")
     claims = [_claim("Llama-2-70B: GQA leaves 131,072 QK-unidentified parameters per layer against "
@@ -292,7 +305,7 @@ def table5(arbiter_widths: list[int]) -> tuple[list[dict], list[Claim]]:
 # ---- sections -------------------------------------------------------------------------------
 def table1_section(ctx: Context) -> Section:
     ctx.progress.stage("Table 1: unidentified share against heads (closed form and arbiter)")
-    rows, claims = table1([8, 12, 16] if ctx.quick else [8, 12, 16, 24])
+    rows, claims = table1(list(sizes_of(ctx).table1_widths))
     fig1 = figure1(rows, ctx.figures / "fig1_ratio_vs_heads.png")
     return Section("Table 1: unidentified share against heads",
                    "Plain multi-head attention: the closed form and the Jacobian-rank arbiter.",
@@ -320,8 +333,11 @@ def table2_section(ctx: Context) -> Section:
 
 def table3_section(ctx: Context) -> Section:
     ctx.progress.stage("Table 3: modern variants")
-    rows, claims = table3()
-    return Section("Table 3: RoPE, GQA/MQA, QK-norm", "Each count confirmed by the arbiter at a second seed.",
+    confirm = sizes_of(ctx).table3_confirm
+    rows, claims = table3(confirm)
+    return Section("Table 3: RoPE, GQA/MQA, QK-norm",
+                   "Each count checked by the arbiter"
+                   + (", confirmed at a second seed." if confirm else "."),
                    (Table("table3_variants", rows,
                           {"variant": "variant", "params": "params", "unidentified_theory": "unid. (theory)",
                            "unidentified_arbiter": "unid. (arbiter)", "near_theory": "near (theory)",
@@ -332,14 +348,18 @@ def table3_section(ctx: Context) -> Section:
 
 def table4_section(ctx: Context) -> Section:
     ctx.progress.stage("Table 4: model families")
-    rows, claims, view, notes = table4()
+    whole_numeric = sizes_of(ctx).table4_whole_numeric
+    rows, claims, view, notes = table4(whole_numeric)
+    if not whole_numeric:
+        notes += ("Whole-model columns of the CSV for the families without a closed form: at "
+                  "--scale full only.",)
     return Section("Table 4: real model families", "Counted from each model's configuration (bundled).",
                    (Table("table4_models", rows, TABLE4_COLUMNS, notes, view=view),), (), tuple(claims))
 
 
 def table5_section(ctx: Context) -> Section:
     ctx.progress.stage("Table 5: single-head equivalence")
-    rows, claims = table5([4, 6] if ctx.quick else [4, 6, 8])
+    rows, claims = table5(list(sizes_of(ctx).table5_arbiter_widths))
     return Section("Table 5: single-head equivalence (Section 4.10)",
                    "E0 = ceil(E sqrt(2 - 1/H)): the smallest width at which one head is as identified "
                    "as H heads.",
@@ -356,9 +376,15 @@ def table5_section(ctx: Context) -> Section:
 
 
 def training_sections(ctx: Context) -> list[Section]:
-    scale = "quick" if ctx.quick else "cpu"
-    ctx.progress.stage(f"training experiments ({scale} scale)")
-    data = run_experiment(ctx.out / "experiment", scale=scale, progress=ctx.progress)
+    """The training experiments at the context's scale, or read from ``ctx.from_runs``."""
+    from_runs = getattr(ctx, "from_runs", None)
+    if from_runs is not None:
+        ctx.progress.stage(f"training experiments: reading the runs in {from_runs}")
+        data = load_experiment(Path(from_runs))
+    else:
+        scale = sizes_of(ctx).training
+        ctx.progress.stage(f"training experiments ({scale} scale)")
+        data = run_experiment(ctx.out / "experiment", **experiment_options(ctx), progress=ctx.progress)
     ctx.progress.stage("drawing training figures")
     return [training_section(data, ctx.figures)]
 
@@ -369,23 +395,41 @@ SECTIONS: list[SectionFn] = [table1_section, table2_section, table3_section, tab
                              whole_model_section, training_sections, pretrained_section]
 
 
+def _cpu_seconds() -> float:
+    """User and system CPU seconds of this process and its finished children (every core)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 # ---- assembling -------------------------------------------------------------------------------
 TITLE = "attnid reproduction report"
 INTRO = ("Claims of *Multi-Head Self Attention is a Parameter Identification Mechanism* "
          "(arXiv:2609.01231) and what attnid adds, each with its evidence and a verdict.")
 
 
-def reproduce(out: str | Path = "attnid-report", *, quick: bool = False, progress: Progress | None = None,
+def reproduce(out: str | Path = "attnid-report", *, scale: str = "default", device: str = "cpu",
+              jobs: int = 1, from_runs: str | Path | None = None, progress: Progress | None = None,
               extra: Sequence[SectionFn] = ()) -> dict[str, Any]:
-    """Run every section, write the tables, ``report.md``, ``report.html`` and ``summary.json``;
-    return the summary (claims, how many hold, seconds)."""
+    """Run every section at ``scale`` (`attnid.paper.scales`), write the tables, ``report.md``,
+    ``report.html`` and ``summary.json``; return the summary (claims, how many hold, seconds,
+    and each section's wall and CPU seconds).
+
+    ``from_runs``: the training section reads that experiment folder instead of training."""
+    if scale not in SIZES:
+        raise AttnidError(f"unknown scale {scale!r}: use one of {', '.join(SIZES)}")
     start = time.perf_counter()
-    ctx = Context(Path(out), quick, progress if progress is not None else Progress(enabled=False))
+    ctx = RunContext(Path(out), SIZES[scale].pretrained_quick,
+                     progress if progress is not None else Progress(enabled=False), scale=scale,
+                     device=device, jobs=jobs, from_runs=Path(from_runs) if from_runs is not None else None)
     (ctx.out / "tables").mkdir(parents=True, exist_ok=True)
     ctx.figures.mkdir(parents=True, exist_ok=True)
     sections: list[Section] = []
+    timing: list[dict[str, Any]] = []
     for fn in [*SECTIONS, *extra]:
+        wall, cpu = time.perf_counter(), _cpu_seconds()
         got = fn(ctx)
+        timing.append({"section": fn.__name__, "wall_s": round(time.perf_counter() - wall, 2),
+                       "cpu_s": round(_cpu_seconds() - cpu, 2)})
         sections += got if isinstance(got, list) else [got]
     ctx.progress.stage("writing the report")
     for s in sections:
@@ -393,9 +437,12 @@ def reproduce(out: str | Path = "attnid-report", *, quick: bool = False, progres
             write_table(t.rows, ctx.out / "tables" / t.stem)
     claims = [c.to_dict() for s in sections for c in s.claims]
     summary = {"claims": claims, "holds": sum(c["holds"] for c in claims), "total": len(claims),
-               "quick": quick, "seconds": time.perf_counter() - start}
+               "scale": scale, "device": device, "seconds": time.perf_counter() - start,
+               "cpu_seconds": _cpu_seconds(), "sections": timing}
     (ctx.out / "summary.json").write_text(json.dumps(summary, indent=2))
-    status = f"{'quick' if quick else 'default'} run, {summary['seconds']:.0f} s"
+    status = f"{scale} run, {summary['seconds']:.0f} s"
+    if from_runs is not None:
+        status += f", training read from {from_runs}"
     md = render_markdown(TITLE, INTRO, sections, status)
     (ctx.out / "report.md").write_text(md)
     (ctx.out / "report.html").write_text(render_html(md, ctx.figures, TITLE))

@@ -10,9 +10,9 @@ from typing import Any
 from attnid.adapters.config import bundled, load_config
 from attnid.adapters.registry import adapter_for
 from attnid.paper.document import Claim, Context, Section, Table
+from attnid.paper.scales import sizes_of
 from attnid.progress import Progress
 
-QUICK = ("gpt2", "Llama-2-7b", "Qwen3-8B")  # LayerNorm + positions; RMSNorm; QK-norm
 _NEOX = {"model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"], "hidden_size": 8,
          "num_attention_heads": 2, "intermediate_size": 16, "num_hidden_layers": 1,
          "vocab_size": 16, "rotary_pct": 0.5, "use_parallel_residual": True,
@@ -39,13 +39,17 @@ COUNT_COLUMNS = {"model": "model", "params": "parameters", "unidentified": "unid
 
 
 def whole_model_section(ctx: Context) -> Section:
-    """The section for `attnid reproduce` (``ctx.quick`` checks 3 families)."""
+    """The section for `attnid reproduce`, at the sizes of its scale (`attnid.paper.scales`)."""
     ctx.progress.stage("whole-model counts and their arbiter checks")
-    return run_section(ctx.quick, ctx.progress)
+    sizes = sizes_of(ctx)
+    return run_section(sizes.whole_checked, confirm=sizes.whole_confirm, progress=ctx.progress)
 
 
-def run_section(quick: bool, progress: Progress | None = None) -> Section:
-    """Counts of every closed-form bundled model; the arbiter on reduced configs (3 when quick)."""
+def run_section(checked: tuple[str, ...] | None = None, *, confirm: bool = True,
+                progress: Progress | None = None) -> Section:
+    """Counts of every closed-form bundled model; the arbiter on the reduced configs of the
+    ``checked`` families (None: every closed-form family), each confirmed at a second seed
+    when ``confirm``."""
     from attnid.whole.check import verify_whole, verify_whole_hf_config
     from attnid.whole.model import count_model
 
@@ -58,11 +62,11 @@ def run_section(quick: bool, progress: Progress | None = None) -> Section:
                        "near_unidentified": c.near_unidentified, "identified": c.identified,
                        "unidentified_ratio": c.ratio, "identified_share": 1 - c.ratio,
                        "exact": c.exact})
-    checked = [n for n in bundled() if _closed(n) and (not quick or n in QUICK)]
+    names = [n for n in bundled() if _closed(n) and (checked is None or n in checked)]
     cases: list[tuple[str, Callable[[], Any]]] = [
-        (name, lambda n=name: verify_whole_hf_config(n, confirm=not quick)) for name in checked]
+        (name, lambda n=name: verify_whole_hf_config(n, confirm=confirm)) for name in names]
     cases += [(label, lambda c=config, lb=label: verify_whole(
-        {**c, "pad_token_id": None, "bos_token_id": None, "eos_token_id": None}, lb, confirm=not quick))
+        {**c, "pad_token_id": None, "bos_token_id": None, "eos_token_id": None}, lb, confirm=confirm))
         for label, config in DISCRETE.items()]
     checks = []
     for i, (name, check) in enumerate(cases, start=1):
