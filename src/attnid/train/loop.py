@@ -221,12 +221,19 @@ class _UpdateSizes:
         self._reset()
 
     def _reset(self) -> None:
+        # float64 sums on the weights' device, read back only at a record (`take`): a read per
+        # layer and side every step would wait for the GPU each time (on CUDA that tripled a step)
+        zero = lambda *shape: torch.zeros(shape, dtype=torch.float64, device=self.device)  # noqa: E731
         n = len(self.params)
-        self.sq: dict[Side, list[float]] = {side: [0.0] * n for side in SIDES}  # sum of ||Δw_side||^2
-        self.tau: dict[Side, list[list[float]]] = {  # sum of trace C(Δw), per kv group
-            side: [[0.0] * (1 if side == "qk" and s.qk_norm != "none" else s.n_kv_heads) for s in self.specs]
+        self.sq: dict[Side, list[torch.Tensor]] = {side: [zero() for _ in range(n)] for side in SIDES}
+        self.tau: dict[Side, list[torch.Tensor]] = {  # sum of trace C(Δw), per kv group
+            side: [zero(1 if side == "qk" and s.qk_norm != "none" else s.n_kv_heads) for s in self.specs]
             for side in SIDES}
-        self.norm_max = [0.0] * n  # the largest single ||Δw||
+        self.norm_max = [zero() for _ in range(n)]  # the largest single ||Δw||
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.params[0].values())).device
 
     def _flat(self) -> list[dict[str, torch.Tensor]]:
         return [{n: p.detach().double() for n, p in layer.items()} for layer in self.params]
@@ -240,22 +247,21 @@ class _UpdateSizes:
             d = {n: w1[n] - w0[n] for n in w1}
             total = 0.0
             for side in SIDES:
-                sq = float(sum(d[n].square().sum() for n in side_names(spec, side)))
+                sq = sum(d[n].square().sum() for n in side_names(spec, side))
                 self.sq[side][i] += sq
-                total += sq
+                total = total + sq
                 dw = AttentionWeights.from_tensors(spec, d)
-                tau = kv_group_trace(conserved(dw, side), dw, side)  # trace C(Δw): [G] (QK-norm QK: [])
-                self.tau[side][i] = [a + float(b) for a, b in zip(self.tau[side][i], tau.reshape(-1),
-                                                                  strict=True)]
-            self.norm_max[i] = max(self.norm_max[i], math.sqrt(total))
+                self.tau[side][i] += kv_group_trace(conserved(dw, side), dw, side).reshape(-1)  # [G]
+            self.norm_max[i] = torch.maximum(self.norm_max[i], torch.as_tensor(total).sqrt())
 
     def take(self) -> dict[str, list]:
         """The sums since the last record, under their JSONL names (``update_sq_qk``,
         ``update_sq_vo``, ``update_norm_max``: per layer; ``update_tau_qk``, ``update_tau_vo``:
         per layer and kv group), then reset."""
-        out: dict[str, list] = {flat_key("update_sq", side): self.sq[side] for side in SIDES}
-        out.update({flat_key("update_tau", side): self.tau[side] for side in SIDES})
-        out["update_norm_max"] = self.norm_max
+        out: dict[str, list] = {flat_key("update_sq", side): [float(x) for x in self.sq[side]]
+                                for side in SIDES}
+        out.update({flat_key("update_tau", side): [x.tolist() for x in self.tau[side]] for side in SIDES})
+        out["update_norm_max"] = [float(x) for x in self.norm_max]
         self._reset()
         return out
 
