@@ -249,21 +249,19 @@ def test_merge_and_barrier_refuse_an_alignment_that_is_not_b(pairs, tmp_path, ca
     does): an aligner that changed B's function by 5% in one value projection is refused."""
     import dataclasses
 
-    import attnid.checkpoint.align as checkpoint_align
-    import attnid.whole.align as whole_align
+    import attnid.whole.align.aligner as aligner
     from attnid.whole.transforms.state import ModelTensors
 
-    real = whole_align.align
+    real = aligner.align_unit
 
     def broken(*args, **kwargs):
-        al = real(*args, **kwargs)
-        t = dict(al.model.tensors)
-        name = next(n for n in t if n.endswith("layers.0.self_attn.v_proj.weight"))
-        t[name] = t[name] * 1.05
-        return dataclasses.replace(al, model=ModelTensors(al.model.layout, t, al.model.config))
+        r = real(*args, **kwargs)
+        t = dict(r.model.tensors)
+        for name in [n for n in t if n.endswith("layers.0.self_attn.v_proj.weight")]:
+            t[name] = t[name] * 1.05
+        return dataclasses.replace(r, model=ModelTensors(r.model.layout, t, r.model.config))
 
-    monkeypatch.setattr(whole_align, "align", broken)
-    monkeypatch.setattr(checkpoint_align, "align", broken)
+    monkeypatch.setattr(aligner, "align_unit", broken)
     p = pairs["llama"]
     code, _, err = run(capsys, "merge", p["a"], p["c"], tmp_path / "merged", "--align")
     assert code == 2 and "not certified" in err and not (tmp_path / "merged").exists(), err

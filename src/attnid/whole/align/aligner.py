@@ -24,8 +24,8 @@ al. style), ``rotation`` (the stream rotated instead of permuted), ``full`` (the
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, Protocol, get_args
 
 import torch
 from torch import nn
@@ -40,14 +40,16 @@ from attnid.whole.align.activations import (
 )
 from attnid.whole.align.additive import fit_additive
 from attnid.whole.align.gauges import Kind, pair_fit, scalar_fit
-from attnid.whole.align.stream import Pair, fit_stream, gains_to, permuted, refine_stream
+from attnid.whole.align.stream import ROUNDS, Pair, cross, fit_stream, gains_to, permuted, refit
 from attnid.whole.fit.frame import Frame
 from attnid.whole.fit.match import match_heads, match_neurons
-from attnid.whole.fit.source import assign_units
+from attnid.whole.fit.source import SplitSource, UnitSource
 from attnid.whole.transforms.element import GroupElement, LayerElement
 from attnid.whole.transforms.heads import head_permutation, query_key_transform, value_transform
 from attnid.whole.transforms.mlp import mlp_scaling, neuron_permutation
 from attnid.whole.transforms.norms import foldable, norm_gain_transfer
+from attnid.whole.transforms.permutation import residual_permutation
+from attnid.whole.transforms.residual import residual_rotation
 from attnid.whole.transforms.state import ModelTensors
 
 Group = Literal["none", "permutations", "orthogonal", "rotation", "full"]
@@ -61,7 +63,7 @@ class Alignment:
     """B aligned onto A (``model``: B's function, A's coordinates as far as ``group`` allows),
     the element's parts, and per unit the stored distance to A after each part."""
 
-    model: ModelTensors
+    model: ModelTensors | None  # None: written unit by unit elsewhere (a checkpoint)
     group: str
     stream: str  # how the residual stream was aligned (or why not)
     element: GroupElement  # rotation, gains, per layer heads/qk/vo/neurons/mlp
@@ -126,17 +128,18 @@ def check_pair(a: ModelTensors, b: ModelTensors) -> None:
             raise AttnidError(f"{n} has shape {list(t.shape)} in A but {list(b.tensors[n].shape)} in B")
 
 
-def unit_distances(a: ModelTensors, b: ModelTensors, unit_of: dict[str, int], count: int) -> list[float]:
-    """Per unit ``||B - A||`` over the stored floating tensors (a tied table once)."""
-    sq = [0.0] * count
+def unit_distance(a: ModelTensors, b: ModelTensors, own: list[str]) -> float:
+    """``||B - A||`` over a unit's own floating tensors (one storage once), summed in float64."""
+    sq = 0.0
     seen: set[tuple[int, tuple[int, ...]]] = set()
-    for n, t in a.tensors.items():
+    for n in own:
+        t = a.tensors[n]
         key = (t.data_ptr(), tuple(t.shape))
-        if not t.is_floating_point() or key in seen or n not in unit_of:
+        if not t.is_floating_point() or key in seen:
             continue
         seen.add(key)
-        sq[unit_of[n]] += float(((t - b.tensors[n]) ** 2).sum())
-    return [x**0.5 for x in sq]
+        sq += float(((t - b.tensors[n]) ** 2).sum(dtype=torch.float64))
+    return sq**0.5
 
 
 # ---- 2. heads and neurons --------------------------------------------------------------------------
@@ -237,7 +240,182 @@ def fit_norms(a: ModelTensors, b: ModelTensors) -> tuple[ModelTensors, dict[str,
     return b, out
 
 
-# ---- the whole ---------------------------------------------------------------------------------------
+# ---- one unit ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Plan:
+    """How B's stream moves before the per-unit stages: a rotation ``Q`` (B's gains moved to A's
+    first) or a permutation ``perm`` (B's gains moved to A's after it when ``moved``)."""
+
+    group: str
+    Q: torch.Tensor | None = None
+    perm: torch.Tensor | None = None
+    moved: bool = False
+    acts: Pair | None = None
+
+
+@dataclass(frozen=True)
+class UnitAligned:
+    """One unit of B aligned onto A's: the tensors (extras included), its layer's parts, the
+    norm gains it moved, the distance to A after each part, and the stream cross product."""
+
+    model: ModelTensors
+    layer: dict[str, torch.Tensor]
+    gains: dict[str, torch.Tensor]
+    distances: dict[str, float]
+    cross: torch.Tensor | None
+
+
+def align_unit(a: ModelTensors, b: ModelTensors, unit: int, own: list[str], plan: Plan,
+               with_cross: bool = False) -> UnitAligned:
+    """Unit ``unit`` of B (its ``own`` tensors and the extras it reads) aligned onto A's by
+    ``plan`` and then every later part of the group (each acts within a unit, so a whole model
+    is aligned unit by unit; docs/theory.md §13.20)."""
+    lay, group = b.layout, plan.group
+    dist: dict[str, float] = {"raw": unit_distance(a, b, own)}
+
+    def stage(name: str, m: ModelTensors) -> None:
+        dist[name] = unit_distance(a, m, own)
+
+    before, mine = b, set(own)
+    if group != "none":
+        if plan.Q is not None:
+            b = residual_rotation(gains_to(a, b), plan.Q)
+        else:
+            b = b if plan.perm is None else residual_permutation(b, plan.perm)
+            b = gains_to(a, b) if plan.moved else b
+    stage("stream", b)
+    gains: dict[str, torch.Tensor] = {}
+    if group == "full" or plan.Q is not None:
+        gains = {nm.path: a.gain(nm) / permuted(before.gain(nm), plan.perm)
+                 for nm in lay.norms if foldable(nm) and f"{nm.path}.weight" in mine}
+    i = unit - 1
+    layer: dict[str, torch.Tensor] = {}
+    in_layer = 0 <= i < len(lay.layers) and group != "none"
+    if in_layer:
+        b, layer["heads"], layer["neurons"] = fit_permutations(a, b, i, plan.acts, plan.Q, plan.perm)
+    stage("permutations", b)
+    if in_layer and group != "permutations":
+        b, M, Cv = fit_attention(a, b, i, "gl" if group == "full" else "orthogonal")
+        layer |= {k: v for k, v in (("qk", M), ("vo", Cv)) if v is not None}
+        stage("qk", value_transform(b, i, torch.linalg.inv(Cv)))  # the Q/K gauge, not yet the V/O one
+    else:
+        stage("qk", b)
+    stage("vo", b)
+    if in_layer and group == "full" and lay.mlp != "other":
+        b, layer["mlp"] = fit_mlp(a, b, i)
+    stage("mlp", b)
+    if group == "full":
+        b, refined = fit_norms(a, b)
+        refined = {p: s for p, s in refined.items() if f"{p}.weight" in mine}
+        gains = {p: gains.get(p, torch.ones_like(s)) * s for p, s in refined.items()} if refined else gains
+    stage("norms", b)
+    if group == "full":
+        b = fit_additive(a, b, with_tables=unit == 0)
+    stage("additive", b)
+    dist["aligned"] = dist["additive"]
+    M = cross(_own(a, mine), _own(b, mine)) if with_cross else None
+    return UnitAligned(b, layer, gains, dist, M)
+
+
+def _own(m: ModelTensors, names: set[str]) -> ModelTensors:
+    return ModelTensors(m.layout, {n: t for n, t in m.tensors.items() if n in names}, m.config)
+
+
+# ---- the whole, unit by unit ----------------------------------------------------------------------------
+class Output(Protocol):
+    """Where a pass puts B's aligned units: ``run(compute)`` asks ``compute(u)`` for each unit
+    (in any order, each once) and returns a handle on what it kept; ``drop`` lets one go."""
+
+    def run(self, compute: Callable[[int], UnitAligned]) -> Any: ...
+
+    def drop(self, handle: Any) -> None: ...
+
+
+class Kept:
+    """The in-memory `Output`: every unit's aligned tensors, by unit."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    def run(self, compute: Callable[[int], UnitAligned]) -> dict[int, ModelTensors]:
+        return {u: compute(u).model for u in range(self.count)}
+
+    def drop(self, handle: Any) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class _Pass:
+    plan: Plan
+    handle: Any
+    units: dict[int, UnitAligned]
+
+    @property
+    def total(self) -> float:
+        return sum(r.distances["aligned"] ** 2 for r in self.units.values())
+
+    @property
+    def cross(self) -> torch.Tensor:
+        return sum(r.cross for r in self.units.values() if r.cross is not None)  # type: ignore[return-value]
+
+
+def align_sources(a: UnitSource, b: UnitSource, out: Output, *, group: Group = "full",
+                  acts: Pair | None = None, dtype: torch.dtype | None = None,
+                  progress: Callable[[str], None] | None = None) -> tuple[Alignment, Any]:
+    """B aligned onto A within ``group``, reading both one unit at a time (floating tensors in
+    ``dtype``; None: as held): the stream fitted on the tables' rows (or ``acts``), then passes
+    over every unit, each writing B's aligned units to ``out``, while refining the stream lowers
+    the total distance. ``(alignment, out's handle on the kept pass)``."""
+    say = progress or (lambda _: None)
+    lay = b.layout
+    L = len(lay.layers)
+    plan, how = Plan(group, acts=acts), "not aligned (group none)"
+    if group != "none":
+        Q, perm, how = fit_stream(a, b, rotate=group in ("rotation", "full"), acts=acts)
+        plan = Plan(group, Q, perm, group == "full" and Q is None, acts)
+        say("stream fitted")  # how: in the result (`Alignment.stream`), said once by its reader
+    moves = plan.Q is not None or plan.perm is not None
+
+    def run(p: Plan) -> _Pass:
+        done: dict[int, UnitAligned] = {}
+
+        def compute(u: int) -> UnitAligned:
+            done[u] = align_unit(a.load(u, dtype), b.load(u, dtype), u, b.names(u), p, with_cross=moves)
+            say(f"unit {u} of {L + 1} aligned")
+            return done[u]
+
+        handle = out.run(compute)
+        for u in range(b.count):  # a unit the output never asked for (it holds nothing)
+            if u not in done:
+                compute(u)
+        return _Pass(p, handle, done)
+
+    best = run(plan)
+    rounds = 0
+    for _ in range(ROUNDS if moves else 0):
+        r = refit(best.cross, best.plan.Q is not None, lay.norm == "layer")
+        if best.plan.Q is not None:
+            cand = replace(best.plan, Q=best.plan.Q @ r)
+        elif torch.equal(r, torch.arange(r.numel())):
+            break
+        else:
+            cand = replace(best.plan, perm=best.plan.perm[r])
+        nxt = run(cand)
+        if not nxt.total < best.total * (1 - 1e-9):
+            out.drop(nxt.handle)
+            break
+        out.drop(best.handle)
+        best, rounds = nxt, rounds + 1
+    how += f"; refined on every stream-side weight ({rounds} rounds)" if rounds else ""
+    say("heads, neurons and gauges fitted")
+    units = [best.units[u] for u in range(b.count)]
+    gains = {p: g for r in units for p, g in r.gains.items()}
+    element = GroupElement(rotation=best.plan.Q, gains=gains,
+                           layers=tuple(LayerElement(**units[i + 1].layer) for i in range(L)))
+    al = Alignment(None, group, how, element, best.plan.perm, [r.distances for r in units])
+    return al, best.handle
+
+
 def align(a: nn.Module | ModelTensors, b: nn.Module | ModelTensors, *, group: Group = "full",
           calibration: torch.Tensor | None = None, progress: Callable[[str], None] | None = None
           ) -> Alignment:
@@ -248,87 +426,24 @@ def align(a: nn.Module | ModelTensors, b: nn.Module | ModelTensors, *, group: Gr
         raise AttnidError(f"unknown group {group!r}: one of {', '.join(GROUPS)}")
     A, B = as_tensors(a), as_tensors(b)
     check_pair(A, B)
-    say = progress or (lambda _: None)
-    lay = A.layout
-    L = len(lay.layers)
-    unit_of = assign_units(lay, A.tensors)
-    count = L + 2
-    dist: dict[str, list[float]] = {"raw": unit_distances(A, B, unit_of, count)}
-
-    def stage(name: str, m: ModelTensors) -> None:
-        dist[name] = unit_distances(A, m, unit_of, count)
-
-    gains: dict[str, torch.Tensor] = {}
-    Q = perm = None
-    how = "not aligned (group none)"
-    acts = None
-    if group != "none" and calibration is not None:
-        check_memory(A, calibration.numel())
-        acts = (collect(A, calibration), collect(B, calibration))
-        say(f"activations collected on {calibration.numel()} calibration tokens")
-    if group != "none":
-        before = B
-        B, Q, perm, how = fit_stream(A, B, rotate=group in ("rotation", "full"), acts=acts)
-        moved = group == "full" and Q is None  # a permuted stream: the gauges are fitted with A's gains
-
-        def rest(m: ModelTensors, q: torch.Tensor | None, p: torch.Tensor | None) -> ModelTensors:
-            return _fit_layers(A, gains_to(A, m) if moved else m, group, acts, q, p)[0]
-
-        if Q is not None or perm is not None:
-            B, Q, perm, rounds = refine_stream(A, B, Q, perm, rest)
-            how += f"; refined on every stream-side weight ({rounds} rounds)" if rounds else ""
-        B = gains_to(A, B) if moved else B
-        if group == "full" or Q is not None:
-            gains = {nm.path: A.gain(nm) / permuted(before.gain(nm), perm)
-                     for nm in lay.norms if foldable(nm) and f"{nm.path}.weight" in B}
-        say("stream fitted")  # how: in the result (`Alignment.stream`), said once by its reader
-    stage("stream", B)
-    B, layers, refined = _fit_layers(A, B, group, acts, Q, perm, stage)
-    gains = {p: gains.get(p, torch.ones_like(s)) * s for p, s in refined.items()} if refined else gains
-    say("heads, neurons and gauges fitted")
-    dist["aligned"] = dist["additive"]
-    element = GroupElement(rotation=Q, gains=gains, layers=tuple(LayerElement(**x) for x in layers))
-    per_unit = [{k: v[u] for k, v in dist.items()} for u in range(count)]
-    return Alignment(B, group, how, element, perm, per_unit)
+    acts = activations(A, B, group, calibration, progress)
+    sb = SplitSource(B)
+    al, kept = align_sources(SplitSource(A), sb, Kept(sb.count), group=group, acts=acts, progress=progress)
+    out = dict(B.tensors)
+    for u, m in kept.items():
+        out.update({n: m.tensors[n] for n in sb.names(u)})
+    lay = B.layout
+    if lay.tied and lay.unembed is not None and f"{lay.unembed.path}.weight" in out:
+        out[f"{lay.unembed.path}.weight"] = out[f"{lay.tables[0]}.weight"]  # the tied head is its table
+    return replace(al, model=ModelTensors(B.layout, out, B.config))
 
 
-def _fit_layers(A: ModelTensors, B: ModelTensors, group: str, acts: Pair | None, Q: torch.Tensor | None,
-                perm: torch.Tensor | None, stage: Callable[[str, ModelTensors], None] | None = None
-                ) -> tuple[ModelTensors, list[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
-    """Stages 2-5 on B (its stream already aligned): ``(B, per-layer parts, refitted gains)``."""
-    stage = stage or (lambda *_: None)
-    L = len(A.layout.layers)
-    layers = [dict[str, torch.Tensor]() for _ in range(L)]
-    if group != "none":
-        for i in range(L):
-            B, layers[i]["heads"], layers[i]["neurons"] = fit_permutations(A, B, i, acts, Q, perm)
-    stage("permutations", B)
-    if group not in ("none", "permutations"):
-        kind: Kind = "gl" if group == "full" else "orthogonal"
-        for i in range(L):
-            B, M, Cv = fit_attention(A, B, i, kind)
-            layers[i] |= {k: v for k, v in (("qk", M), ("vo", Cv)) if v is not None}
-    stage("qk", _without_vo(B, layers))
-    stage("vo", B)
-    if group == "full" and A.layout.mlp != "other":
-        for i in range(L):
-            B, layers[i]["mlp"] = fit_mlp(A, B, i)
-    stage("mlp", B)
-    refined: dict[str, torch.Tensor] = {}
-    if group == "full":
-        B, refined = fit_norms(A, B)
-    stage("norms", B)
-    if group == "full":
-        B = fit_additive(A, B)
-    stage("additive", B)
-    return B, layers, refined
-
-
-def _without_vo(after_vo: ModelTensors, layers: list[dict[str, torch.Tensor]]) -> ModelTensors:
-    """The model with every layer's Q/K gauge but its V/O gauge undone (for the Q/K share)."""
-    out = dict(after_vo.tensors)
-    for i in range(len(layers)):
-        if "vo" in layers[i]:
-            back = value_transform(after_vo, i, torch.linalg.inv(layers[i]["vo"]))
-            out.update({n: back.tensors[n] for n in after_vo.attention_names(i)})
-    return ModelTensors(after_vo.layout, out, after_vo.config)
+def activations(A: ModelTensors, B: ModelTensors, group: str, calibration: torch.Tensor | None,
+                progress: Callable[[str], None] | None = None) -> Pair | None:
+    """Both models' activations on the calibration tokens (None without them, or for ``none``)."""
+    if group == "none" or calibration is None:
+        return None
+    check_memory(A, calibration.numel())
+    acts = (collect(A, calibration), collect(B, calibration))
+    (progress or (lambda _: None))(f"activations collected on {calibration.numel()} calibration tokens")
+    return acts
