@@ -247,6 +247,8 @@ def merge_checkpoints(model_a: str | Path, model_b: str | Path, out_dir: str | P
 
         with staged(dst, a.root, {f.path.name for f in a.files}) as tmp:
             write_units(ua, mixed, tmp)
+            if ua.untied:
+                untie_files(a, ua, tmp)
             open_checkpoint(tmp, purpose="merge")  # reads back: header, tensors and shapes as A's
     finally:
         if written is not None:

@@ -137,7 +137,7 @@ def write_units(units: Any, compute: Any, tmp: Path) -> None:
     unit's tensors taken from ``compute(u)`` (a `ModelTensors`, asked once per unit, when its
     first tensor is written, and let go after its last) in the stored dtypes; every tensor no
     unit holds copied as stored. A tied head read untied is written as a tensor of its own,
-    beside its table, and the config unties it (``tie_word_embeddings: false``)."""
+    beside its table (`untie_files` then unties the config)."""
     from attnid.io import DTYPES, write_streaming
 
     ck = units.ck
@@ -167,8 +167,6 @@ def write_units(units: Any, compute: Any, tmp: Path) -> None:
         names.sort(key=lambda n: unit_of.get(n, -1))
         entries = [(n, f.info(src_of.get(n, n)).dtype, f.info(src_of.get(n, n)).shape) for n in names]
         write_streaming(tmp / f.path.name, entries, produce, f.metadata)
-    if units.untied:
-        untie_files(ck, units, tmp)
 
 
 def untie_files(ck: Any, units: Any, tmp: Path) -> None:
