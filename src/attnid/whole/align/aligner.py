@@ -143,11 +143,20 @@ def unit_distance(a: ModelTensors, b: ModelTensors, own: list[str]) -> float:
 
 
 # ---- 2. heads and neurons --------------------------------------------------------------------------
-def _sections(m: ModelTensors, i: int) -> tuple[C.Attention, C.MLP]:
-    secs = C.layer_unit(m, i, Frame(None, None, torch.float64), {}).sections
-    att = next(s for s in secs if isinstance(s, C.Attention))
-    mlp = next(s for s in secs if isinstance(s, C.MLP))
-    return att, mlp
+def _frame(m: ModelTensors, i: int) -> Frame:
+    """The stored frame, in the dtype the layer is held in (float32 for a bfloat16 checkpoint)."""
+    return Frame(None, None, m.weight(m.layout.mlps[i][1]).dtype)
+
+
+def _heads(a: ModelTensors, b: ModelTensors, i: int) -> torch.Tensor:
+    """Layer ``i``'s heads matched on their gauge-fixed weights (the norm folded in)."""
+    wa, wb = (C.attention(m, i, _frame(m, i), {})[0].w for m in (a, b))
+    return match_heads(wa, wb)
+
+
+def _neurons(a: ModelTensors, b: ModelTensors, i: int) -> torch.Tensor:
+    """Layer ``i``'s MLP neurons matched (the attention's copies let go first: a 7B layer)."""
+    return match_neurons(C.mlp(a, i, _frame(a, i)), C.mlp(b, i, _frame(b, i)))
 
 
 def fit_permutations(a: ModelTensors, b: ModelTensors, i: int, acts: Pair | None = None,
@@ -156,8 +165,7 @@ def fit_permutations(a: ModelTensors, b: ModelTensors, i: int, acts: Pair | None
     """Layer ``i``'s heads and neurons matched (on gauge-invariant weight features, or on the
     activations ``acts`` of A and of B before its stream moved by ``Q`` or ``perm``)."""
     if acts is None:
-        (att_a, mlp_a), (att_b, mlp_b) = _sections(a, i), _sections(b, i)
-        heads, neurons = match_heads(att_a.w, att_b.w), match_neurons(mlp_a, mlp_b)
+        heads, neurons = _heads(a, b, i), _neurons(a, b, i)
     else:
         heads = head_matching(*acts, i, b.spec(i).n_kv_heads, Q, perm)
         neurons = neuron_matching(*acts, i, signed=b.layout.mlp != "gated")
@@ -276,18 +284,19 @@ def align_unit(a: ModelTensors, b: ModelTensors, unit: int, own: list[str], plan
     def stage(name: str, m: ModelTensors) -> None:
         dist[name] = unit_distance(a, m, own)
 
-    before, mine = b, set(own)
+    mine = set(own)
+    gains: dict[str, torch.Tensor] = {}
+    if group == "full" or plan.Q is not None:  # B's gains as they were (B itself is let go below)
+        gains = {nm.path: a.gain(nm) / permuted(b.gain(nm), plan.perm)
+                 for nm in lay.norms if foldable(nm) and f"{nm.path}.weight" in mine}
     if group != "none":
         if plan.Q is not None:
-            b = residual_rotation(gains_to(a, b), plan.Q)
+            b = gains_to(a, b)
+            b = b if _within(plan.Q, _eps(b)) else residual_rotation(b, plan.Q)
         else:
             b = b if plan.perm is None else residual_permutation(b, plan.perm)
             b = gains_to(a, b) if plan.moved else b
     stage("stream", b)
-    gains: dict[str, torch.Tensor] = {}
-    if group == "full" or plan.Q is not None:
-        gains = {nm.path: a.gain(nm) / permuted(before.gain(nm), plan.perm)
-                 for nm in lay.norms if foldable(nm) and f"{nm.path}.weight" in mine}
     i = unit - 1
     layer: dict[str, torch.Tensor] = {}
     in_layer = 0 <= i < len(lay.layers) and group != "none"
@@ -315,6 +324,17 @@ def align_unit(a: ModelTensors, b: ModelTensors, unit: int, own: list[str], plan
     dist["aligned"] = dist["additive"]
     M = cross(_own(a, mine), _own(b, mine)) if with_cross else None
     return UnitAligned(b, layer, gains, dist, M)
+
+
+def _within(Q: torch.Tensor, eps: float) -> bool:
+    """``||Q - I||_F <= eps``: then ``x Q`` is ``x`` to ``eps ||x||`` for every row ``x`` (the
+    rotation is skipped: it would move nothing beyond that rounding)."""
+    return float(torch.linalg.matrix_norm(Q - torch.eye(Q.shape[0], dtype=Q.dtype))) <= eps
+
+
+def _eps(m: ModelTensors) -> float:
+    """The rounding of the dtype ``m`` is held in (its widest floating tensor's)."""
+    return min((torch.finfo(t.dtype).eps for t in m.tensors.values() if t.is_floating_point()), default=0.0)
 
 
 def _own(m: ModelTensors, names: set[str]) -> ModelTensors:
@@ -395,6 +415,8 @@ def align_sources(a: UnitSource, b: UnitSource, out: Output, *, group: Group = "
     for _ in range(ROUNDS if moves else 0):
         r = refit(best.cross, best.plan.Q is not None, lay.norm == "layer")
         if best.plan.Q is not None:
+            if _within(r, 0.5 * torch.finfo(b.dtype()).eps):  # it moves no stored number by a rounding
+                break
             cand = replace(best.plan, Q=best.plan.Q @ r)
         elif torch.equal(r, torch.arange(r.numel())):
             break
