@@ -16,6 +16,12 @@ part of the group to A in A's own coordinates, in this order:
 4. ``full`` only: the MLP neuron scales, the norm gains per coordinate, the additive gauges
    (`attnid.whole.align.additive`).
 
+Every part after the stream acts within a unit (the tables; a layer with the norms its readers
+read; the head), so B is aligned a unit at a time (`align_sources`, reading both models from
+`attnid.whole.fit.source.UnitSource` and handing each aligned unit to an `Output`): the
+checkpoint commands stream (`attnid.checkpoint.align`), and `align` runs the same on models in
+memory. Each refinement of the stream is one more pass over the units.
+
 `group` selects the variants of docs/theory.md §13.20: ``none`` (B as it is), ``permutations``
 (stream, heads, neurons), ``orthogonal`` (and per-group orthogonal Q/K and V/O maps, Zhang et
 al. style), ``rotation`` (the stream rotated instead of permuted), ``full`` (the whole group).
@@ -266,7 +272,7 @@ class UnitAligned:
     """One unit of B aligned onto A's: the tensors (extras included), its layer's parts, the
     norm gains it moved, the distance to A after each part, and the stream cross product."""
 
-    model: ModelTensors
+    model: ModelTensors | None  # None: kept only as the report's numbers
     layer: dict[str, torch.Tensor]
     gains: dict[str, torch.Tensor]
     distances: dict[str, float]
@@ -358,7 +364,7 @@ class Kept:
         self.count = count
 
     def run(self, compute: Callable[[int], UnitAligned]) -> dict[int, ModelTensors]:
-        return {u: compute(u).model for u in range(self.count)}
+        return {u: compute(u).model for u in range(self.count)}  # type: ignore[misc]
 
     def drop(self, handle: Any) -> None:
         pass
@@ -369,14 +375,11 @@ class _Pass:
     plan: Plan
     handle: Any
     units: dict[int, UnitAligned]
+    cross: torch.Tensor | None  # [d, d]: X_B^T X_A over every unit's stream-side pieces
 
     @property
     def total(self) -> float:
         return sum(r.distances["aligned"] ** 2 for r in self.units.values())
-
-    @property
-    def cross(self) -> torch.Tensor:
-        return sum(r.cross for r in self.units.values() if r.cross is not None)  # type: ignore[return-value]
 
 
 def align_sources(a: UnitSource, b: UnitSource, out: Output, *, group: Group = "full",
@@ -398,22 +401,26 @@ def align_sources(a: UnitSource, b: UnitSource, out: Output, *, group: Group = "
 
     def run(p: Plan) -> _Pass:
         done: dict[int, UnitAligned] = {}
+        summed: list[torch.Tensor] = []  # the stream cross product, summed as units come
 
         def compute(u: int) -> UnitAligned:
-            done[u] = align_unit(a.load(u, dtype), b.load(u, dtype), u, b.names(u), p, with_cross=moves)
+            r = align_unit(a.load(u, dtype), b.load(u, dtype), u, b.names(u), p, with_cross=moves)
+            if r.cross is not None:
+                summed[:] = [r.cross if not summed else summed[0] + r.cross]
+            done[u] = replace(r, model=None, cross=None)  # the tensors go to the output only
             say(f"unit {u} of {L + 1} aligned")
-            return done[u]
+            return r
 
         handle = out.run(compute)
         for u in range(b.count):  # a unit the output never asked for (it holds nothing)
             if u not in done:
                 compute(u)
-        return _Pass(p, handle, done)
+        return _Pass(p, handle, done, summed[0] if summed else None)
 
     best = run(plan)
     rounds = 0
     for _ in range(ROUNDS if moves else 0):
-        r = refit(best.cross, best.plan.Q is not None, lay.norm == "layer")
+        r = refit(best.cross, best.plan.Q is not None, lay.norm == "layer")  # type: ignore[arg-type]
         if best.plan.Q is not None:
             if _within(r, 0.5 * torch.finfo(b.dtype()).eps):  # it moves no stored number by a rounding
                 break
