@@ -248,24 +248,56 @@ def test_merge_and_barrier_refuse_an_alignment_that_is_not_b(pairs, tmp_path, ca
     does): an aligner that changed B's function by 5% in one value projection is refused."""
     import dataclasses
 
-    import attnid.checkpoint.align as checkpoint_align
-    import attnid.whole.align as whole_align
+    import attnid.whole.align.aligner as aligner
     from attnid.whole.transforms.state import ModelTensors
 
-    real = whole_align.align
+    real = aligner.align_unit
 
     def broken(*args, **kwargs):
-        al = real(*args, **kwargs)
-        t = dict(al.model.tensors)
-        name = next(n for n in t if n.endswith("layers.0.self_attn.v_proj.weight"))
-        t[name] = t[name] * 1.05
-        return dataclasses.replace(al, model=ModelTensors(al.model.layout, t, al.model.config))
+        r = real(*args, **kwargs)
+        t = dict(r.model.tensors)
+        for name in [n for n in t if n.endswith("layers.0.self_attn.v_proj.weight")]:
+            t[name] = t[name] * 1.05
+        return dataclasses.replace(r, model=ModelTensors(r.model.layout, t, r.model.config))
 
-    monkeypatch.setattr(whole_align, "align", broken)
-    monkeypatch.setattr(checkpoint_align, "align", broken)
+    monkeypatch.setattr(aligner, "align_unit", broken)
     p = pairs["llama"]
     code, _, err = run(capsys, "merge", p["a"], p["c"], tmp_path / "merged", "--align")
     assert code == 2 and "not certified" in err and not (tmp_path / "merged").exists(), err
     code, _, err = run(capsys, "barrier", p["a"], p["c"], "--align", "--calibration", pairs["text"],
                        "--alphas", "3")
     assert code == 2 and "not certified" in err, err
+
+
+@pytest.fixture(scope="module")
+def tied_pair(tmp_path_factory):
+    """A tied Llama (non-uniform final gain) and its untied R1 + R2 rewrite with heads and neurons
+    permuted (what QuaRot and SpinQuant write)."""
+    root = tmp_path_factory.mktemp("tied")
+    a = save(build({**LLAMA, "tie_word_embeddings": True}, 0), root, "tied")
+    b = root / "untied"
+    assert main(["rewrite", str(a), str(b), "--untie", "--rotate-residual", "hadamard", "--rotate-values",
+                 "random", "--permute-heads", "--permute-mlp"]) == 0
+    return {"tied": a, "untied": b}
+
+
+@pytest.mark.parametrize("order", [("tied", "untied"), ("untied", "tied")], ids=["tied-A", "tied-B"])
+def test_align_and_merge_a_tied_and_an_untied_model(order, tied_pair, tmp_path, capsys):
+    """A tied model and an untied one are aligned and merged as two untied models (as `attnid
+    diff` compares them): the aligned B is certified, runs to B's log-probabilities and is
+    written untied; the merge is written untied too."""
+    a, b = (tied_pair[k] for k in order)
+    before = {k: fingerprint(v) for k, v in tied_pair.items()}
+    out = tmp_path / "out"
+    code, r, err = run(capsys, "align", a, b, out)
+    assert code == 0 and r["certified"], err
+    assert r["aligned_distance"] < r["raw_distance"], r
+    assert "lm_head.weight" in tensors(out), "the aligned model is not written untied"
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    lb, lo = log_probs(b), log_probs(out)
+    assert float((lb - lo).norm() / lb.norm()) < 1e-5, float((lb - lo).norm() / lb.norm())
+    code, m, err = run(capsys, "merge", a, b, tmp_path / "merged", "--align")
+    assert code == 0 and m["untied"] == ("lm_head.weight" if order[0] == "tied" else None), err
+    assert "lm_head.weight" in tensors(tmp_path / "merged")
+    assert json.loads((tmp_path / "merged" / "config.json").read_text())["tie_word_embeddings"] is False
+    assert {k: fingerprint(v) for k, v in tied_pair.items()} == before, "an input was modified"

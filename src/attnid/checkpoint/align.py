@@ -5,27 +5,42 @@
 sibling of OUT_DIR, is certified by `attnid diff` against B (every invariant at the dtype's
 rounding) and, up to 2 GiB, end to end with transformers, and only then moved into place.
 `merge` writes ``(1 - alpha) A + alpha B`` (B aligned first with ``align=True``), in A's
-files and dtype. Both models are held in memory in float64 (checkpoints of small and
-medium size; `attnid diff` and `attnid rewrite` stream). Inputs are never modified.
+files and dtype. Both stream: the two checkpoints are read one unit (a layer) at a time, in
+float64 (float32 for bfloat16 and float16 checkpoints), and B's aligned units are written as
+they are made (each pass of the stream's refinement into its own temporary file, the best
+kept). A tied checkpoint and an untied one are aligned and merged as two untied models
+(docs/theory.md §13.21): the output is untied. Inputs are never modified.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import secrets
+import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from attnid.checkpoint.load import Checkpoint, open_checkpoint
-from attnid.checkpoint.output import check_out_dir, staged, verify_end_to_end
+from attnid.checkpoint.output import (
+    check_out_dir,
+    copy_other_files,
+    staged,
+    untie_files,
+    verify_end_to_end,
+    write_units,
+)
 from attnid.checkpoint.tokens import read_chunks
-from attnid.checkpoint.units import Units, open_units
+from attnid.checkpoint.units import Units, layout_of_config, open_units
 from attnid.errors import AttnidError
-from attnid.io import DTYPES, write_streaming
 from attnid.progress import Progress
-from attnid.whole.align import SUBGROUPS, align
+from attnid.whole.align import SUBGROUPS
+from attnid.whole.align.aligner import Alignment, activations, align_sources
+from attnid.whole.fit.fitter import compute_dtype
 from attnid.whole.transforms.state import ModelTensors
 
 CALIBRATION_TOKENS = 8192  # at most this many calibration tokens are run through both models
@@ -39,7 +54,8 @@ def open_pair(model_a: str | Path, model_b: str | Path, purpose: str = "read"
         raise AttnidError(f"{model_a} and {model_b} are not the same architecture "
                           f"({a.adapter.family} {a.specs[0].describe()} x{a.n_layers} vs "
                           f"{b.adapter.family} {b.specs[0].describe()} x{b.n_layers})")
-    ua, ub = open_units(a), open_units(b)
+    untie = layout_of_config(a).tied != layout_of_config(b).tied  # as `attnid diff`: two untied models
+    ua, ub = open_units(a, untie=untie), open_units(b, untie=untie)
     if ua.layout != ub.layout or set(ua.to_ck) != set(ub.to_ck):
         raise AttnidError(f"{model_a} and {model_b} are not the same architecture (tied vs untied, or "
                           "different tensors)")
@@ -58,59 +74,93 @@ def apart(dst: Path, ck: Checkpoint, name: str) -> None:
                           "never modified)")
 
 
-def load_tensors(units: Units) -> ModelTensors:
-    """Every tensor of the checkpoint (state_dict names), floating ones in float64."""
+def load_tensors(units: Units, dtype: torch.dtype = torch.float64) -> ModelTensors:
+    """Every tensor of the checkpoint (state_dict names), floating ones in ``dtype``."""
     out = {}
     for n, c in units.to_ck.items():
         t = units.ck.tensor(c)
-        out[n] = t.to(torch.float64) if t.is_floating_point() else t
+        out[n] = t.to(dtype) if t.is_floating_point() else t
     return ModelTensors(units.layout, out, units.ck.config)
 
 
-def write_tensors(units: Units, tensors: ModelTensors, tmp: Path) -> None:
-    """The checkpoint's files again under ``tmp``, each tensor the units hold taken from
-    ``tensors`` in the stored dtype (every other one copied as stored)."""
-    ck = units.ck
-    new = {c: tensors.tensors[s] for s, c in units.to_ck.items()}
+class Written:
+    """Each pass of the alignment written as B's files into a fresh temporary sibling of ``dst``
+    (`attnid.whole.align.aligner.Output`)."""
 
-    def produce(name: str) -> torch.Tensor:
-        if name not in new:
-            return ck.tensor(name)
-        t = new[name]
-        return t.to(DTYPES[ck.info(name).dtype]) if t.is_floating_point() else t
+    def __init__(self, units: Units, dst: Path) -> None:
+        self.units, self.dst = units, dst
 
-    for f in ck.files:
-        entries = [(n, f.info(n).dtype, f.info(n).shape) for n in f.names]
-        write_streaming(tmp / f.path.name, entries, produce, f.metadata)
+    def run(self, compute: Callable[[int], Any]) -> Path:
+        tmp = self.dst.parent / f".{self.dst.name}.{secrets.token_hex(4)}.tmp"
+        tmp.mkdir(parents=True)
+        try:
+            write_units(self.units, lambda u: compute(u).model, tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return tmp
 
-
-def as_stored(units: Units, m: ModelTensors) -> ModelTensors:
-    """``m``'s floating tensors rounded to the checkpoint's stored dtypes (what is written)."""
-    ck = units.ck
-    out = {n: t.to(DTYPES[ck.info(units.to_ck[n]).dtype]) if t.is_floating_point() else t
-           for n, t in m.tensors.items()}
-    return ModelTensors(m.layout, out, m.config)
+    def drop(self, handle: Path) -> None:
+        shutil.rmtree(handle, ignore_errors=True)
 
 
-def certify(units: Units, b: ModelTensors, out: ModelTensors, stream_permutation: torch.Tensor | None
-            ) -> tuple[float, float]:
-    """`attnid diff`'s fit of the output against B (both as stored): ``(worst residual,
-    rounding level)``, refused unless every residual is at rounding. A stream permutation is undone
-    first: it moves stored numbers without arithmetic (so it is exact in any dtype), and
-    `attnid diff` fits a rotation only where a rotation is a symmetry (not behind a tied
-    head's non-uniform gain, where a permutation still is)."""
-    from attnid.whole.fit import TensorSource, fit
-    from attnid.whole.transforms.permutation import residual_permutation
+class Unpermuted:
+    """A checkpoint's units with a stream permutation undone as they are read (it moves stored
+    numbers without arithmetic, so it is exact in any dtype)."""
 
-    if stream_permutation is not None:
-        out = residual_permutation(out, torch.argsort(stream_permutation))
-    f = fit(TensorSource(as_stored(units, b)), TensorSource(out))
+    def __init__(self, units: Units, perm: torch.Tensor) -> None:
+        self.units, self.inv = units, torch.argsort(perm)
+        self.layout, self.config = units.layout, units.config
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.units, name)
+
+    def load(self, unit: int, dtype: torch.dtype | None = None, *, check: bool = True) -> ModelTensors:
+        from attnid.whole.transforms.permutation import residual_permutation
+
+        return residual_permutation(self.units.load(unit, dtype, check=check), self.inv)
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        t = self.units.rows(name, start, stop)  # a table's rows, the unembedding's, a gain
+        return t[self.inv] if t.dim() == 1 else t[:, self.inv]
+
+
+def certify(ub: Units, out: Path, stream_permutation: torch.Tensor | None) -> tuple[float, float]:
+    """`attnid diff`'s fit of the written output against B: ``(worst residual, rounding level)``,
+    refused unless every residual is at rounding. A stream permutation is undone first:
+    `attnid diff` fits a rotation only where a rotation is a symmetry (not behind a tied head's
+    non-uniform gain, where a permutation still is)."""
+    from attnid.whole.fit import fit
+
+    uo = open_units(open_checkpoint(out, purpose="align"), untie=ub.untied is not None)
+    src: Any = uo if stream_permutation is None else Unpermuted(uo, stream_permutation)
+    f = fit(ub, src)
     residuals = [x for r in f.units for x in r.residuals]
     first = next((x for x in residuals if x.residual > f.tolerance), None)
     if first is not None:
         raise AttnidError(f"refused: the aligned checkpoint is not certified against B ("
-                          f"{units.label(first.tensor)}: residual {first.residual:.2e}); nothing was written")
+                          f"{ub.label(first.tensor)}: residual {first.residual:.2e}); nothing was written")
     return max((x.residual for x in residuals), default=0.0), f.tolerance
+
+
+def aligned_files(ua: Units, ub: Units, dst: Path, subgroup: str, acts: Any = None,
+                  progress: Callable[[str], None] | None = None) -> tuple[Alignment, Path, float, float]:
+    """B aligned onto A, streamed, written into a temporary sibling of ``dst`` and certified
+    against B: ``(alignment, the written folder, worst residual, rounding level)``; the caller
+    removes the folder."""
+    from attnid.whole.fit.fitter import compute_dtype
+
+    al, tmp = align_sources(ua, ub, Written(ub, dst), subgroup=subgroup, acts=acts,  # type: ignore[arg-type]
+                            dtype=compute_dtype(ub.dtype()), progress=progress)
+    try:
+        copy_other_files(ub.ck.root, tmp, {f.path.name for f in ub.ck.files})
+        if ub.untied:
+            untie_files(ub.ck, ub, tmp)
+        worst, tol = certify(ub, tmp, al.stream_permutation)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return al, tmp, worst, tol
 
 
 def check_subgroup(subgroup: str) -> None:
@@ -133,18 +183,22 @@ def align_checkpoints(model_a: str | Path, model_b: str | Path, out_dir: str | P
     if calibration is not None:  # A's tokenizer, before any work
         calib = read_chunks(a, calibration, option="--calibration", max_tokens=CALIBRATION_TOKENS).ids
     shown = progress if progress is not None else Progress(enabled=False)
-    A, B = load_tensors(ua), load_tensors(ub)
-    al = align(A, B, subgroup=subgroup, calibration=calib, progress=shown.line)  # type: ignore[arg-type]
-    stored = as_stored(ub, al.model)
-    worst, tol = certify(ub, B, stored, al.stream_permutation)
-    shown.line(f"certified against B: worst residual {worst:.2e} (rounding level {tol:.1e})")
-    with staged(dst, b.root, {f.path.name for f in b.files}) as tmp:
-        write_tensors(ub, stored, tmp)
-        e2e = verify_end_to_end(b, tmp, end_to_end_max_bytes, what="aligned")
+    acts = None
+    if calib is not None:  # running both models on the tokens: the one step that holds them whole
+        acts = activations(load_tensors(ua), load_tensors(ub), subgroup, calib, shown.line)
+    al, written, worst, tol = aligned_files(ua, ub, dst, subgroup, acts, shown.line)
+    try:
+        shown.line(f"certified against B: worst residual {worst:.2e} (rounding level {tol:.1e})")
+        with staged(dst) as tmp:
+            for item in written.iterdir():
+                os.replace(item, tmp / item.name)
+            e2e = verify_end_to_end(b, tmp, end_to_end_max_bytes, what="aligned")
+    finally:
+        shutil.rmtree(written, ignore_errors=True)
     return {"model_a": str(a.path), "model_b": str(b.path), "out_dir": str(dst),
             "architecture": a.adapter.family, "dtype": str(b.dtype()).split(".")[-1],
             "matching": "weights" if calib is None else "activations", **al.to_dict(),
-            "certified": True, "max_residual": worst, "tolerance": tol,
+            "certified": True, "max_residual": worst, "tolerance": tol, "untied": ub.untied,
             "end_to_end_rel_diff": e2e, "seconds": time.perf_counter() - start}
 
 
@@ -158,7 +212,7 @@ def interpolate(A: ModelTensors, B: ModelTensors, alpha: float) -> ModelTensors:
     both ends (``alpha = 0`` gives A's values, ``1`` B's)."""
     out = {}
     for n, t in A.tensors.items():
-        if not t.is_floating_point() or alpha == 0.0:
+        if n not in B.tensors or not t.is_floating_point() or alpha == 0.0:
             out[n] = t
         elif alpha == 1.0:
             out[n] = B.tensors[n]
@@ -179,20 +233,29 @@ def merge_checkpoints(model_a: str | Path, model_b: str | Path, out_dir: str | P
     apart(Path(out_dir).resolve(), b, "B")
     _, dst = check_out_dir(a.root, out_dir, force)
     shown = progress if progress is not None else Progress(enabled=False)
-    A, B = load_tensors(ua), load_tensors(ub)
     aligned_keys: dict[str, Any] = {}
-    if aligned:
-        al = align(A, B, subgroup=subgroup, progress=shown.line)  # type: ignore[arg-type]
-        worst, _ = certify(ub, B, as_stored(ub, al.model), al.stream_permutation)
-        B = al.model
-        aligned_keys = {"max_residual": worst, "subgroup": subgroup,
-                  "group": subgroup,  # deprecated alias key (one release)
-                  "stream": al.stream, "raw_distance": al.raw_distance,
-                  "aligned_distance": al.aligned_distance}
-    merged = interpolate(A, B, alpha)
-    with staged(dst, a.root, {f.path.name for f in a.files}) as tmp:
-        write_tensors(ua, merged, tmp)
-        open_checkpoint(tmp, purpose="merge")  # reads back: header, tensors and shapes as A's
+    written = None
+    try:
+        if aligned:
+            al, written, worst, _ = aligned_files(ua, ub, dst, subgroup, progress=shown.line)
+            ub = open_units(open_checkpoint(written, purpose="merge"), untie=ub.untied is not None)
+            aligned_keys = {"max_residual": worst, "subgroup": subgroup,
+                            "group": subgroup,  # deprecated alias key (one release)
+                            "stream": al.stream, "raw_distance": al.raw_distance,
+                            "aligned_distance": al.aligned_distance}
+        cd = compute_dtype(ua.dtype())
+
+        def mixed(u: int) -> ModelTensors:
+            return interpolate(ua.load(u, cd), ub.load(u, cd), alpha)
+
+        with staged(dst, a.root, {f.path.name for f in a.files}) as tmp:
+            write_units(ua, mixed, tmp)
+            if ua.untied:
+                untie_files(a, ua, tmp)
+            open_checkpoint(tmp, purpose="merge")  # reads back: header, tensors and shapes as A's
+    finally:
+        if written is not None:
+            shutil.rmtree(written, ignore_errors=True)
     return {"model_a": str(a.path), "model_b": str(b.path), "out_dir": str(dst),
             "architecture": a.adapter.family, "alpha": alpha, "aligned": aligned, **aligned_keys,
-            "seconds": time.perf_counter() - start}
+            "untied": ua.untied, "seconds": time.perf_counter() - start}

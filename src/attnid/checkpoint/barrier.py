@@ -7,6 +7,7 @@ into chunks of the model's context; the loss is the mean next-token cross-entrop
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -72,8 +73,9 @@ def barrier(model_a: str | Path, model_b: str | Path, data: str | Path, *, align
             subgroup: str = "full", alphas: int = 11, context: int | None = None, max_tokens: int = 65536,
             progress: Progress | None = None) -> dict[str, Any]:
     """The losses along the path (naive; and aligned with ``aligned``) and their barriers."""
-    from attnid.checkpoint.align import as_stored, certify, check_subgroup, load_tensors, open_pair
-    from attnid.whole.align import align
+    from attnid.checkpoint.align import aligned_files, check_subgroup, load_tensors, open_pair
+    from attnid.checkpoint.load import open_checkpoint
+    from attnid.checkpoint.units import open_units
 
     start = time.perf_counter()
     ts = check_alphas(alphas)
@@ -82,14 +84,19 @@ def barrier(model_a: str | Path, model_b: str | Path, data: str | Path, *, align
     check_causal(a)
     chunks = read_chunks(a, data, context=context, max_tokens=max_tokens, option="--calibration")
     shown = progress if progress is not None else Progress(enabled=False)
-    A, B = load_tensors(ua), load_tensors(ub)
+    A, B = load_tensors(ua, torch.float32), load_tensors(ub, torch.float32)  # what the evaluator runs
     ev = Evaluator(a)
     curves = {"naive": path_losses(ev, A, B, chunks, ts, shown, "naive")}
     distances = {"naive": None}
     if aligned:
-        al = align(A, B, subgroup=subgroup, progress=shown.line)  # type: ignore[arg-type]
-        certify(ub, B, as_stored(ub, al.model), al.stream_permutation)  # still B's function
-        curves["aligned"] = path_losses(ev, A, al.model, chunks, ts, shown, "aligned")
+        al, written, _, _ = aligned_files(ua, ub, b.root.parent / f"{b.root.name}-aligned", subgroup,
+                                          progress=shown.line)  # streamed, certified: still B's function
+        try:
+            uw = open_units(open_checkpoint(written, purpose="barrier"), untie=ub.untied is not None)
+            aligned_b = load_tensors(uw, torch.float32)
+        finally:
+            shutil.rmtree(written, ignore_errors=True)
+        curves["aligned"] = path_losses(ev, A, aligned_b, chunks, ts, shown, "aligned")
         end, want = curves["aligned"][-1], curves["naive"][-1]
         if abs(end - want) > END_LOSS_RTOL * abs(want):  # the aligned B is B: the same loss
             raise AttnidError(f"refused: aligned B's loss {end:.6f} is not B's {want:.6f}")

@@ -130,3 +130,68 @@ def verify_end_to_end(ck: Any, out: Path, max_bytes: int, what: str = "rewritten
                           "nothing was written")
     return e2e
 
+
+
+def write_units(units: Any, compute: Any, tmp: Path) -> None:
+    """The checkpoint of ``units`` (a `attnid.checkpoint.units.Units`) again under ``tmp``, each
+    unit's tensors taken from ``compute(u)`` (a `ModelTensors`, asked once per unit, when its
+    first tensor is written, and let go after its last) in the stored dtypes; every tensor no
+    unit holds copied as stored. A tied head read untied is written as a tensor of its own,
+    beside its table (`untie_files` then unties the config)."""
+    from attnid.io import DTYPES, write_streaming
+
+    ck = units.ck
+    out_of = {s: s if s == units.untied else c for s, c in units.to_ck.items()}  # the name written
+    state_of = {w: s for s, w in out_of.items()}
+    src_of = {out_of[s]: c for s, c in units.to_ck.items()}  # written name -> the stored tensor read
+    unit_of = {out_of[s]: units.unit_of[s] for s in units.to_ck}
+    left = {u: sum(1 for c in unit_of if unit_of[c] == u) for u in range(units.count)}
+    cache: dict[int, Any] = {}
+
+    def produce(name: str) -> torch.Tensor:
+        if name not in unit_of:
+            return ck.tensor(name)  # no unit reads it: its stored bytes
+        u = unit_of[name]
+        if u not in cache:
+            cache[u] = compute(u)
+        t = cache[u].tensors[state_of[name]]
+        left[u] -= 1
+        if left[u] == 0:
+            del cache[u]
+        return t.to(DTYPES[ck.info(src_of[name]).dtype]) if t.is_floating_point() else t
+
+    for f in ck.files:
+        names = list(f.names)
+        if units.untied and units.untied not in ck.index and ck.index[src_of[units.untied]] is f:
+            names.append(units.untied)  # the new head, beside its table
+        names.sort(key=lambda n: unit_of.get(n, -1))
+        entries = [(n, f.info(src_of.get(n, n)).dtype, f.info(src_of.get(n, n)).shape) for n in names]
+        write_streaming(tmp / f.path.name, entries, produce, f.metadata)
+
+
+def untie_files(ck: Any, units: Any, tmp: Path) -> None:
+    """The written config says ``tie_word_embeddings: false``; a sharded checkpoint's index
+    names the shard holding the new head (beside its table)."""
+    import json
+
+    config = json.loads((tmp / "config.json").read_text())
+    config["tie_word_embeddings"] = False
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    index = tmp / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        table = units.to_ck[units.untied]
+        data["weight_map"][units.untied] = ck.index[table].path.name
+        index.write_text(json.dumps(data, indent=2) + "\n")
+
+
+@contextmanager
+def scratch(dst: Path) -> Iterator[Path]:
+    """A fresh temporary sibling of ``dst``, removed on leaving (what is kept is moved out first)."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.parent / f".{dst.name}.{secrets.token_hex(4)}.tmp"
+    tmp.mkdir()
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

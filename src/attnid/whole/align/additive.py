@@ -22,11 +22,14 @@ from attnid.whole.transforms.residual import ones_shift, table_shift
 from attnid.whole.transforms.state import ModelTensors
 
 
-def fit_additive(a: ModelTensors, b: ModelTensors) -> ModelTensors:
-    """``b`` moved by the additive gauges nearest ``a`` (stored tensors, float64)."""
+def fit_additive(a: ModelTensors, b: ModelTensors, with_tables: bool = True) -> ModelTensors:
+    """``b`` moved by the additive gauges nearest ``a`` (stored tensors; a whole model or one
+    unit of it: each gauge whose tensors are there; ``with_tables=False``: the tables are another
+    unit's, here only to be read)."""
     lay = b.layout
+    has_tables = with_tables and all(f"{t}.weight" in b for t in lay.tables)
     tables = [f"{t}.weight" for t in lay.tables]
-    if lay.padding_idx is None:  # RoBERTa's pad rows trade otherwise (§13.13): left as they are
+    if lay.padding_idx is None and has_tables:  # RoBERTa's pad rows trade otherwise (§13.13): left be
         for k in range(1, len(tables)):
             dE = (a.tensors[tables[0]] - b.tensors[tables[0]]).sum(0)
             dT = (a.tensors[tables[k]] - b.tensors[tables[k]]).sum(0)
@@ -40,12 +43,12 @@ def fit_additive(a: ModelTensors, b: ModelTensors) -> ModelTensors:
                 col = (a.weight(lin) - b.weight(lin)).mean(0)  # [in]: the all-ones part per column
                 bias = 0.0 if b.bias(lin) is None else float((a.bias(lin) - b.bias(lin)).mean())
                 b = ones_shift(b, i, w, col, bias)
-        for k, name in enumerate(tables):
+        for k, name in enumerate(tables if has_tables else []):
             c = (a.tensors[name] - b.tensors[name]).mean(1)  # [rows]
             if k == 0 and lay.tied:
                 c = torch.full_like(c, float(c.mean()))
             b = table_shift(b, k, c)
-    if lay.unembed is not None and not lay.tied:
+    if lay.unembed is not None and not lay.tied and b.has(lay.unembed):
         u = (a.weight(lay.unembed) - b.weight(lay.unembed)).mean(0)
         c = 0.0 if b.bias(lay.unembed) is None else float((a.bias(lay.unembed) - b.bias(lay.unembed)).mean())
         b = logit_shift(b, u, c)

@@ -16,6 +16,12 @@ part of the group to A in A's own coordinates, in this order:
 4. ``full`` only: the MLP neuron scales, the norm gains per coordinate, the additive gauges
    (`attnid.whole.align.additive`).
 
+Every part after the stream acts within a unit (the tables; a layer with the norms its readers
+read; the head), so B is aligned a unit at a time (`align_sources`, reading both models from
+`attnid.whole.fit.source.UnitSource` and handing each aligned unit to an `Output`): the
+checkpoint commands stream (`attnid.checkpoint.align`), and `align` runs the same on models in
+memory. Each refinement of the stream is one more pass over the units.
+
 `subgroup` selects the variant (a subgroup of the whole-model group) of docs/theory.md §13.20:
 ``none`` (B as it is), ``permutations`` (stream, heads, neurons), ``orthogonal`` (and
 per-kv-group orthogonal Q/K and V/O maps, Zhang et al. style), ``rotation`` (the stream rotated
@@ -25,8 +31,8 @@ instead of permuted), ``full`` (the whole group).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, Protocol, get_args
 
 import torch
 from torch import nn
@@ -41,14 +47,16 @@ from attnid.whole.align.activations import (
 )
 from attnid.whole.align.additive import fit_additive
 from attnid.whole.align.gauges import Kind, pair_fit, scalar_fit
-from attnid.whole.align.stream import Pair, fit_stream, gains_to, permuted, refine_stream
+from attnid.whole.align.stream import ROUNDS, Pair, cross, fit_stream, gains_to, permuted, refit
 from attnid.whole.fit.frame import Frame
 from attnid.whole.fit.match import match_heads, match_neurons
-from attnid.whole.fit.source import assign_units
+from attnid.whole.fit.source import SplitSource, UnitSource
 from attnid.whole.transforms.element import GroupElement, LayerElement
 from attnid.whole.transforms.heads import head_permutation, query_key_transform, value_transform
 from attnid.whole.transforms.mlp import mlp_scaling, neuron_permutation
 from attnid.whole.transforms.norms import foldable, norm_gain_transfer
+from attnid.whole.transforms.permutation import residual_permutation
+from attnid.whole.transforms.residual import residual_rotation
 from attnid.whole.transforms.state import ModelTensors
 
 # the subgroups of the whole-model symmetry group that `align` may search
@@ -62,10 +70,10 @@ PARTS = ("stream", "permutations", "qk", "vo", "mlp", "norms", "additive")
 
 @dataclass(frozen=True)
 class Alignment:
-    """B aligned onto A (``model``: B's function, A's coordinates as far as ``subgroup``
-    allows), the element's parts, and per unit the stored distance to A after each part."""
+    """B aligned onto A (``model``: B's function, A's coordinates as far as ``subgroup`` allows),
+    the element's parts, and per unit the stored distance to A after each part."""
 
-    model: ModelTensors
+    model: ModelTensors | None  # None: written unit by unit elsewhere (a checkpoint)
     subgroup: str
     stream: str  # how the residual stream was aligned (or why not)
     element: GroupElement  # rotation, gains, per layer heads/qk/vo/neurons/mlp
@@ -138,25 +146,35 @@ def check_pair(a: ModelTensors, b: ModelTensors) -> None:
             raise AttnidError(f"{n} has shape {list(t.shape)} in A but {list(b.tensors[n].shape)} in B")
 
 
-def unit_distances(a: ModelTensors, b: ModelTensors, unit_of: dict[str, int], count: int) -> list[float]:
-    """Per unit ``||B - A||`` over the stored floating tensors (a tied table once)."""
-    sq = [0.0] * count
+def unit_distance(a: ModelTensors, b: ModelTensors, own: list[str]) -> float:
+    """``||B - A||`` over a unit's own floating tensors (one storage once), summed in float64."""
+    sq = 0.0
     seen: set[tuple[int, tuple[int, ...]]] = set()
-    for n, t in a.tensors.items():
+    for n in own:
+        t = a.tensors[n]
         key = (t.data_ptr(), tuple(t.shape))
-        if not t.is_floating_point() or key in seen or n not in unit_of:
+        if not t.is_floating_point() or key in seen:
             continue
         seen.add(key)
-        sq[unit_of[n]] += float(((t - b.tensors[n]) ** 2).sum())
-    return [x**0.5 for x in sq]
+        sq += float(((t - b.tensors[n]) ** 2).sum(dtype=torch.float64))
+    return sq**0.5
 
 
 # ---- 2. heads and neurons --------------------------------------------------------------------------
-def _sections(m: ModelTensors, i: int) -> tuple[C.Attention, C.MLP]:
-    secs = C.layer_unit(m, i, Frame(None, None, torch.float64), {}).sections
-    att = next(s for s in secs if isinstance(s, C.Attention))
-    mlp = next(s for s in secs if isinstance(s, C.MLP))
-    return att, mlp
+def _frame(m: ModelTensors, i: int) -> Frame:
+    """The stored frame, in the dtype the layer is held in (float32 for a bfloat16 checkpoint)."""
+    return Frame(None, None, m.weight(m.layout.mlps[i][1]).dtype)
+
+
+def _heads(a: ModelTensors, b: ModelTensors, i: int) -> torch.Tensor:
+    """Layer ``i``'s heads matched on their gauge-fixed weights (the norm folded in)."""
+    wa, wb = (C.attention(m, i, _frame(m, i), {})[0].w for m in (a, b))
+    return match_heads(wa, wb)
+
+
+def _neurons(a: ModelTensors, b: ModelTensors, i: int) -> torch.Tensor:
+    """Layer ``i``'s MLP neurons matched (the attention's copies let go first: a 7B layer)."""
+    return match_neurons(C.mlp(a, i, _frame(a, i)), C.mlp(b, i, _frame(b, i)))
 
 
 def fit_permutations(a: ModelTensors, b: ModelTensors, i: int, acts: Pair | None = None,
@@ -165,8 +183,7 @@ def fit_permutations(a: ModelTensors, b: ModelTensors, i: int, acts: Pair | None
     """Layer ``i``'s heads and neurons matched (on gauge-invariant weight features, or on the
     activations ``acts`` of A and of B before its stream moved by ``Q`` or ``perm``)."""
     if acts is None:
-        (att_a, mlp_a), (att_b, mlp_b) = _sections(a, i), _sections(b, i)
-        heads, neurons = match_heads(att_a.w, att_b.w), match_neurons(mlp_a, mlp_b)
+        heads, neurons = _heads(a, b, i), _neurons(a, b, i)
     else:
         heads = head_matching(*acts, i, b.spec(i).n_kv_heads, Q, perm)
         neurons = neuron_matching(*acts, i, signed=b.layout.mlp != "gated")
@@ -249,7 +266,197 @@ def fit_norms(a: ModelTensors, b: ModelTensors) -> tuple[ModelTensors, dict[str,
     return b, out
 
 
-# ---- the whole ---------------------------------------------------------------------------------------
+# ---- one unit ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Plan:
+    """How B's stream moves before the per-unit stages: a rotation ``Q`` (B's gains moved to A's
+    first) or a permutation ``perm`` (B's gains moved to A's after it when ``moved``)."""
+
+    subgroup: str
+    Q: torch.Tensor | None = None
+    perm: torch.Tensor | None = None
+    moved: bool = False
+    acts: Pair | None = None
+
+
+@dataclass(frozen=True)
+class UnitAligned:
+    """One unit of B aligned onto A's: the tensors (extras included), its layer's parts, the
+    norm gains it moved, the distance to A after each part, and the stream cross product."""
+
+    model: ModelTensors | None  # None: kept only as the report's numbers
+    layer: dict[str, torch.Tensor]
+    gains: dict[str, torch.Tensor]
+    distances: dict[str, float]
+    cross: torch.Tensor | None
+
+
+def align_unit(a: ModelTensors, b: ModelTensors, unit: int, own: list[str], plan: Plan,
+               with_cross: bool = False) -> UnitAligned:
+    """Unit ``unit`` of B (its ``own`` tensors and the extras it reads) aligned onto A's by
+    ``plan`` and then every later part of the group (each acts within a unit, so a whole model
+    is aligned unit by unit; docs/theory.md §13.20)."""
+    lay, subgroup = b.layout, plan.subgroup
+    dist: dict[str, float] = {"raw": unit_distance(a, b, own)}
+
+    def stage(name: str, m: ModelTensors) -> None:
+        dist[name] = unit_distance(a, m, own)
+
+    mine = set(own)
+    gains: dict[str, torch.Tensor] = {}
+    if subgroup == "full" or plan.Q is not None:  # B's gains as they were (B itself is let go below)
+        gains = {nm.path: a.gain(nm) / permuted(b.gain(nm), plan.perm)
+                 for nm in lay.norms if foldable(nm) and f"{nm.path}.weight" in mine}
+    if subgroup != "none":
+        if plan.Q is not None:
+            b = gains_to(a, b)
+            b = b if _within(plan.Q, _eps(b)) else residual_rotation(b, plan.Q)
+        else:
+            b = b if plan.perm is None else residual_permutation(b, plan.perm)
+            b = gains_to(a, b) if plan.moved else b
+    stage("stream", b)
+    i = unit - 1
+    layer: dict[str, torch.Tensor] = {}
+    in_layer = 0 <= i < len(lay.layers) and subgroup != "none"
+    if in_layer:
+        b, layer["heads"], layer["neurons"] = fit_permutations(a, b, i, plan.acts, plan.Q, plan.perm)
+    stage("permutations", b)
+    if in_layer and subgroup != "permutations":
+        b, M, Cv = fit_attention(a, b, i, "gl" if subgroup == "full" else "orthogonal")
+        layer |= {k: v for k, v in (("qk", M), ("vo", Cv)) if v is not None}
+        stage("qk", value_transform(b, i, torch.linalg.inv(Cv)))  # the Q/K gauge, not yet the V/O one
+    else:
+        stage("qk", b)
+    stage("vo", b)
+    if in_layer and subgroup == "full" and lay.mlp != "other":
+        b, layer["mlp"] = fit_mlp(a, b, i)
+    stage("mlp", b)
+    if subgroup == "full":
+        b, refined = fit_norms(a, b)
+        refined = {p: s for p, s in refined.items() if f"{p}.weight" in mine}
+        gains = {p: gains.get(p, torch.ones_like(s)) * s for p, s in refined.items()} if refined else gains
+    stage("norms", b)
+    if subgroup == "full":
+        b = fit_additive(a, b, with_tables=unit == 0)
+    stage("additive", b)
+    dist["aligned"] = dist["additive"]
+    M = cross(_own(a, mine), _own(b, mine)) if with_cross else None
+    return UnitAligned(b, layer, gains, dist, M)
+
+
+def _within(Q: torch.Tensor, eps: float) -> bool:
+    """``||Q - I||_F <= eps``: then ``x Q`` is ``x`` to ``eps ||x||`` for every row ``x`` (the
+    rotation is skipped: it would move nothing beyond that rounding)."""
+    return float(torch.linalg.matrix_norm(Q - torch.eye(Q.shape[0], dtype=Q.dtype))) <= eps
+
+
+def _eps(m: ModelTensors) -> float:
+    """The rounding of the dtype ``m`` is held in (its widest floating tensor's)."""
+    return min((torch.finfo(t.dtype).eps for t in m.tensors.values() if t.is_floating_point()), default=0.0)
+
+
+def _own(m: ModelTensors, names: set[str]) -> ModelTensors:
+    return ModelTensors(m.layout, {n: t for n, t in m.tensors.items() if n in names}, m.config)
+
+
+# ---- the whole, unit by unit ----------------------------------------------------------------------------
+class Output(Protocol):
+    """Where a pass puts B's aligned units: ``run(compute)`` asks ``compute(u)`` for each unit
+    (in any order, each once) and returns a handle on what it kept; ``drop`` lets one go."""
+
+    def run(self, compute: Callable[[int], UnitAligned]) -> Any: ...
+
+    def drop(self, handle: Any) -> None: ...
+
+
+class Kept:
+    """The in-memory `Output`: every unit's aligned tensors, by unit."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    def run(self, compute: Callable[[int], UnitAligned]) -> dict[int, ModelTensors]:
+        return {u: compute(u).model for u in range(self.count)}  # type: ignore[misc]
+
+    def drop(self, handle: Any) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class _Pass:
+    plan: Plan
+    handle: Any
+    units: dict[int, UnitAligned]
+    cross: torch.Tensor | None  # [d, d]: X_B^T X_A over every unit's stream-side pieces
+
+    @property
+    def total(self) -> float:
+        return sum(r.distances["aligned"] ** 2 for r in self.units.values())
+
+
+def align_sources(a: UnitSource, b: UnitSource, out: Output, *, subgroup: Subgroup = "full",
+                  acts: Pair | None = None, dtype: torch.dtype | None = None,
+                  progress: Callable[[str], None] | None = None) -> tuple[Alignment, Any]:
+    """B aligned onto A within ``subgroup``, reading both one unit at a time (floating tensors in
+    ``dtype``; None: as held): the stream fitted on the tables' rows (or ``acts``), then passes
+    over every unit, each writing B's aligned units to ``out``, while refining the stream lowers
+    the total distance. ``(alignment, out's handle on the kept pass)``."""
+    say = progress or (lambda _: None)
+    lay = b.layout
+    L = len(lay.layers)
+    plan, how = Plan(subgroup, acts=acts), "not aligned (subgroup none)"
+    if subgroup != "none":
+        Q, perm, how = fit_stream(a, b, rotate=subgroup in ("rotation", "full"), acts=acts)
+        plan = Plan(subgroup, Q, perm, subgroup == "full" and Q is None, acts)
+        say("stream fitted")  # how: in the result (`Alignment.stream`), said once by its reader
+    moves = plan.Q is not None or plan.perm is not None
+
+    def run(p: Plan) -> _Pass:
+        done: dict[int, UnitAligned] = {}
+        summed: list[torch.Tensor] = []  # the stream cross product, summed as units come
+
+        def compute(u: int) -> UnitAligned:
+            r = align_unit(a.load(u, dtype), b.load(u, dtype), u, b.names(u), p, with_cross=moves)
+            if r.cross is not None:
+                summed[:] = [r.cross if not summed else summed[0] + r.cross]
+            done[u] = replace(r, model=None, cross=None)  # the tensors go to the output only
+            say(f"unit {u} of {L + 1} aligned")
+            return r
+
+        handle = out.run(compute)
+        for u in range(b.count):  # a unit the output never asked for (it holds nothing)
+            if u not in done:
+                compute(u)
+        return _Pass(p, handle, done, summed[0] if summed else None)
+
+    best = run(plan)
+    rounds = 0
+    for _ in range(ROUNDS if moves else 0):
+        r = refit(best.cross, best.plan.Q is not None, lay.norm == "layer")  # type: ignore[arg-type]
+        if best.plan.Q is not None:
+            if _within(r, 0.5 * torch.finfo(b.dtype()).eps):  # it moves no stored number by a rounding
+                break
+            cand = replace(best.plan, Q=best.plan.Q @ r)
+        elif torch.equal(r, torch.arange(r.numel())):
+            break
+        else:
+            cand = replace(best.plan, perm=best.plan.perm[r])
+        nxt = run(cand)
+        if not nxt.total < best.total * (1 - 1e-9):
+            out.drop(nxt.handle)
+            break
+        out.drop(best.handle)
+        best, rounds = nxt, rounds + 1
+    how += f"; refined on every stream-side weight ({rounds} rounds)" if rounds else ""
+    say("heads, neurons and gauges fitted")
+    units = [best.units[u] for u in range(b.count)]
+    gains = {p: g for r in units for p, g in r.gains.items()}
+    element = GroupElement(rotation=best.plan.Q, gains=gains,
+                           layers=tuple(LayerElement(**units[i + 1].layer) for i in range(L)))
+    al = Alignment(None, subgroup, how, element, best.plan.perm, [r.distances for r in units])
+    return al, best.handle
+
+
 def align(a: nn.Module | ModelTensors, b: nn.Module | ModelTensors, *, subgroup: Subgroup = "full",
           calibration: torch.Tensor | None = None, progress: Callable[[str], None] | None = None,
           group: Subgroup | None = None) -> Alignment:
@@ -262,87 +469,25 @@ def align(a: nn.Module | ModelTensors, b: nn.Module | ModelTensors, *, subgroup:
         raise AttnidError(f"unknown subgroup {subgroup!r}: one of {', '.join(SUBGROUPS)}")
     A, B = as_tensors(a), as_tensors(b)
     check_pair(A, B)
-    say = progress or (lambda _: None)
-    lay = A.layout
-    L = len(lay.layers)
-    unit_of = assign_units(lay, A.tensors)
-    count = L + 2
-    dist: dict[str, list[float]] = {"raw": unit_distances(A, B, unit_of, count)}
-
-    def stage(name: str, m: ModelTensors) -> None:
-        dist[name] = unit_distances(A, m, unit_of, count)
-
-    gains: dict[str, torch.Tensor] = {}
-    Q = perm = None
-    how = "not aligned (subgroup none)"
-    acts = None
-    if subgroup != "none" and calibration is not None:
-        check_memory(A, calibration.numel())
-        acts = (collect(A, calibration), collect(B, calibration))
-        say(f"activations collected on {calibration.numel()} calibration tokens")
-    if subgroup != "none":
-        before = B
-        B, Q, perm, how = fit_stream(A, B, rotate=subgroup in ("rotation", "full"), acts=acts)
-        moved = subgroup == "full" and Q is None  # a permuted stream: the gauges are fitted with A's gains
-
-        def rest(m: ModelTensors, q: torch.Tensor | None, p: torch.Tensor | None) -> ModelTensors:
-            return _fit_layers(A, gains_to(A, m) if moved else m, subgroup, acts, q, p)[0]
-
-        if Q is not None or perm is not None:
-            B, Q, perm, rounds = refine_stream(A, B, Q, perm, rest)
-            how += f"; refined on every stream-side weight ({rounds} rounds)" if rounds else ""
-        B = gains_to(A, B) if moved else B
-        if subgroup == "full" or Q is not None:
-            gains = {nm.path: A.gain(nm) / permuted(before.gain(nm), perm)
-                     for nm in lay.norms if foldable(nm) and f"{nm.path}.weight" in B}
-        say("stream fitted")  # how: in the result (`Alignment.stream`), said once by its reader
-    stage("stream", B)
-    B, layers, refined = _fit_layers(A, B, subgroup, acts, Q, perm, stage)
-    gains = {p: gains.get(p, torch.ones_like(s)) * s for p, s in refined.items()} if refined else gains
-    say("heads, neurons and gauges fitted")
-    dist["aligned"] = dist["additive"]
-    element = GroupElement(rotation=Q, gains=gains, layers=tuple(LayerElement(**x) for x in layers))
-    per_unit = [{k: v[u] for k, v in dist.items()} for u in range(count)]
-    return Alignment(B, subgroup, how, element, perm, per_unit)
+    acts = activations(A, B, subgroup, calibration, progress)
+    sb = SplitSource(B)
+    al, kept = align_sources(SplitSource(A), sb, Kept(sb.count), subgroup=subgroup, acts=acts,
+                             progress=progress)
+    out = dict(B.tensors)
+    for u, m in kept.items():
+        out.update({n: m.tensors[n] for n in sb.names(u)})
+    lay = B.layout
+    if lay.tied and lay.unembed is not None and f"{lay.unembed.path}.weight" in out:
+        out[f"{lay.unembed.path}.weight"] = out[f"{lay.tables[0]}.weight"]  # the tied head is its table
+    return replace(al, model=ModelTensors(B.layout, out, B.config))
 
 
-def _fit_layers(A: ModelTensors, B: ModelTensors, subgroup: str, acts: Pair | None, Q: torch.Tensor | None,
-                perm: torch.Tensor | None, stage: Callable[[str, ModelTensors], None] | None = None
-                ) -> tuple[ModelTensors, list[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
-    """Stages 2-5 on B (its stream already aligned): ``(B, per-layer parts, refitted gains)``."""
-    stage = stage or (lambda *_: None)
-    L = len(A.layout.layers)
-    layers = [dict[str, torch.Tensor]() for _ in range(L)]
-    if subgroup != "none":
-        for i in range(L):
-            B, layers[i]["heads"], layers[i]["neurons"] = fit_permutations(A, B, i, acts, Q, perm)
-    stage("permutations", B)
-    if subgroup not in ("none", "permutations"):
-        kind: Kind = "gl" if subgroup == "full" else "orthogonal"
-        for i in range(L):
-            B, M, Cv = fit_attention(A, B, i, kind)
-            layers[i] |= {k: v for k, v in (("qk", M), ("vo", Cv)) if v is not None}
-    stage("qk", _without_vo(B, layers))
-    stage("vo", B)
-    if subgroup == "full" and A.layout.mlp != "other":
-        for i in range(L):
-            B, layers[i]["mlp"] = fit_mlp(A, B, i)
-    stage("mlp", B)
-    refined: dict[str, torch.Tensor] = {}
-    if subgroup == "full":
-        B, refined = fit_norms(A, B)
-    stage("norms", B)
-    if subgroup == "full":
-        B = fit_additive(A, B)
-    stage("additive", B)
-    return B, layers, refined
-
-
-def _without_vo(after_vo: ModelTensors, layers: list[dict[str, torch.Tensor]]) -> ModelTensors:
-    """The model with every layer's Q/K gauge but its V/O gauge undone (for the Q/K share)."""
-    out = dict(after_vo.tensors)
-    for i in range(len(layers)):
-        if "vo" in layers[i]:
-            back = value_transform(after_vo, i, torch.linalg.inv(layers[i]["vo"]))
-            out.update({n: back.tensors[n] for n in after_vo.attention_names(i)})
-    return ModelTensors(after_vo.layout, out, after_vo.config)
+def activations(A: ModelTensors, B: ModelTensors, subgroup: str, calibration: torch.Tensor | None,
+                progress: Callable[[str], None] | None = None) -> Pair | None:
+    """Both models' activations on the calibration tokens (None without them, or for ``none``)."""
+    if subgroup == "none" or calibration is None:
+        return None
+    check_memory(A, calibration.numel())
+    acts = (collect(A, calibration), collect(B, calibration))
+    (progress or (lambda _: None))(f"activations collected on {calibration.numel()} calibration tokens")
+    return acts

@@ -45,23 +45,40 @@ def _sqdist(X: torch.Tensor, Y: torch.Tensor) -> torch.Tensor:
     return (total - 2 * X @ Y.T).clamp_min(0) / total.clamp_min(1e-300)
 
 
+SKETCH = 256  # wider streams: each head's [k, k] products are taken times a random [k, SKETCH]
+
+
 def _head_features(w: AttentionWeights, seed: int = 0) -> list[torch.Tensor]:
-    """Per query head, gauge-invariant features ``[H, p]``."""
+    """Per query head, gauge-invariant features ``[H, p]``: the products ``W_V^h W_O^h`` and
+    ``W_Q^h W_K^h^T`` ``[k, k]``, or, for a stream wider than ``SKETCH``, each times one random
+    Gaussian ``Z [k, SKETCH]`` (the same for both models, whose streams are already aligned: a
+    sketch keeps every relative distance to about ``1 / sqrt(SKETCH)``, ample to tell a head's
+    match, at distance 0, from the others; and never forms the ``[H, k, k]`` products, 4 GB a
+    layer at 7B widths)."""
     s = w.spec
     m = s.kv_group_size
-    vo = (w.W_V.repeat_interleave(m, dim=0) @ w.W_O).flatten(1)  # [H, k*k]
+    k = w.W_O.shape[-1]
+    gen = torch.Generator().manual_seed(seed)
+    Z = None
+    if k > SKETCH:
+        Z = torch.randn(k, SKETCH, generator=gen, dtype=torch.float64).to(w.W_O.dtype) / SKETCH**0.5
+
+    def times(X: torch.Tensor, Yt: torch.Tensor) -> torch.Tensor:  # X @ Yt (@ Z)
+        return X @ Yt if Z is None else X @ (Yt @ Z)
+
+    vo = times(w.W_V.repeat_interleave(m, dim=0), w.W_O).flatten(1)  # [H, k*k] or [H, k*p]
     K = w.W_K.repeat_interleave(m, dim=0)  # [H, k, dk]
     if s.qk_norm != "none":
         return [vo, w.W_Q.flatten(1), K.flatten(1)]
     q, kk = w.W_Q, K
     r = s.rope_dims
-    qk = q[..., r:] @ kk[..., r:].mT  # [H, k, k]
+    qk = times(q[..., r:], kk[..., r:].mT)  # [H, k, k] or [H, k, p]
     if r:
         i1, i2 = plane_dims(s)
-        gen = torch.Generator().manual_seed(seed)
         a, b = (torch.randn(r // 2, generator=gen, dtype=torch.float64).to(q.dtype) for _ in range(2))
         q1, q2, k1, k2 = q[..., i1], q[..., i2], kk[..., i1], kk[..., i2]
-        qk = qk + (q1 * a) @ k1.mT + (q2 * a) @ k2.mT + (q1 * b) @ k2.mT - (q2 * b) @ k1.mT
+        qk = (qk + times(q1 * a, k1.mT) + times(q2 * a, k2.mT) + times(q1 * b, k2.mT)
+              - times(q2 * b, k1.mT))
     return [vo, qk.flatten(1)]
 
 
@@ -121,6 +138,25 @@ def _diagonal(fa: tuple[torch.Tensor, torch.Tensor | None], fb: tuple[torch.Tens
     return (na + nb - 2 * cross).clamp_min(0) / (na + nb).clamp_min(1e-300)
 
 
+def _sketched(fs: list[tuple[torch.Tensor, torch.Tensor | None]], seed: int = 0
+              ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Each feature wider than ``SKETCH`` taken times one random Gaussian ``[p, SKETCH]`` (the
+    same for both models; see `_head_features`): the ``[f, f]`` costs then take ``f^2 SKETCH``
+    products instead of ``f^2 d`` (3 TFLOP a layer at 7B widths)."""
+    out = []
+    for k, (x, y) in enumerate(fs):
+        pair = []
+        for t in (x, y):
+            if t is None or t.shape[1] <= SKETCH:
+                pair.append(t)
+                continue
+            gen = torch.Generator().manual_seed(seed + 7919 * k + t.shape[1])
+            Z = torch.randn(t.shape[1], SKETCH, generator=gen, dtype=torch.float64).to(t.dtype)
+            pair.append(t @ (Z / SKETCH**0.5))
+        out.append((pair[0], pair[1]))
+    return out
+
+
 def match_neurons(A: MLP, B: MLP, tol: float = 0.0, chunk: int = 2048) -> torch.Tensor:
     """``perm [f]``: A's neuron ``j`` is B's neuron ``perm[j]``. The identity when every neuron
     already matches its namesake to rounding (``tol``; costs are never negative, so that is the
@@ -130,6 +166,7 @@ def match_neurons(A: MLP, B: MLP, tol: float = 0.0, chunk: int = 2048) -> torch.
     f = A.up.shape[0]
     if float(sum(_diagonal(x, y) for x, y in zip(fa, fb, strict=True)).max()) <= tol**2:
         return torch.arange(f)
+    fa, fb = _sketched(fa), _sketched(fb)
     nearest = torch.cat([sum(_pair_cost(x, y, slice(i, i + chunk)) for x, y in zip(fa, fb, strict=True)
                              ).argmin(1) for i in range(0, f, chunk)])
     if torch.equal(nearest.sort().values, torch.arange(f)):

@@ -29,7 +29,12 @@ def rows(X: torch.Tensor, n: int) -> torch.Tensor:
 
 def procrustes(XB: torch.Tensor, XA: torch.Tensor, layer_norm: bool) -> torch.Tensor:
     """``Q [d, d]`` orthogonal minimising ``||XB Q - XA||`` (``Q 1 = 1`` under LayerNorm)."""
-    M = XB.T @ XA  # [d, d]
+    return procrustes_cross(XB.T @ XA, layer_norm)
+
+
+def procrustes_cross(M: torch.Tensor, layer_norm: bool) -> torch.Tensor:
+    """:func:`procrustes` from the cross product ``M = XB^T XA [d, d]`` (summed over pieces
+    read one at a time)."""
     if not layer_norm:
         return polar(M)
     d = M.shape[0]

@@ -101,3 +101,25 @@ class TensorSource:
 
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         return self.m.tensors[name][start:stop]
+
+
+class SplitSource(TensorSource):
+    """A model in memory handed out one unit at a time, like a checkpoint's units: a unit's own
+    tensors and the extras it needs (`unit_extras`), floating ones in ``dtype`` when given."""
+
+    def __init__(self, model: nn.Module | ModelTensors) -> None:
+        super().__init__(model)
+        lay = self.layout
+        if lay.tied and lay.unembed is not None:  # the tied head is its table: not a unit's own
+            self.unit_of.pop(f"{lay.unembed.path}.weight", None)
+
+    def load(self, unit: int, dtype: torch.dtype | None = None, *, check: bool = True) -> ModelTensors:
+        names = [*self.names(unit), *(x for x in unit_extras(self.layout, unit) if x in self.m.tensors)]
+        out = {n: self.m.tensors[n] for n in names}
+        if check:
+            for n, t in out.items():
+                if t.is_floating_point() and not torch.isfinite(t).all():
+                    raise AttnidError(f"tensor {n} holds NaN or Inf values")
+        if dtype is not None:
+            out = {n: t.to(dtype) if t.is_floating_point() else t for n, t in out.items()}
+        return ModelTensors(self.layout, out, self.config)
