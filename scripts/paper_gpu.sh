@@ -7,9 +7,14 @@
 # installed. It writes OUT/experiment (each run's config, metrics.jsonl, log.txt; the same-point
 # drift and AdamW's anatomy); build the report from it on a machine with attnid[all]:
 #   attnid reproduce OUT --scale paper --from-runs OUT/experiment
-# Measured once on one H200 (torch 2.11, 2026-12-04): the 7 runs at once took 4.1 min per 500
-# steps, so about 41 min for the 5,000 (one run alone: 61 ms a step, of which 16 ms is the
-# model's own TF32 step and most of the rest the training loop's per-step accounting).
+# It does NOT fit 10 minutes of one H200 yet. Measured there (torch 2.11, 2026-12-04): the 7
+# runs at once took 4.1 min per 500 steps, about 41 min for the 5,000; one run alone 61 ms a
+# step, against 16.3 ms for a bare forward, backward and AdamW step of the same model in TF32
+# (19.8 in bf16 autocast, 32.8 in float32). With the update sizes summed on the GPU (no read
+# back per layer and side every step) one run alone took 58.2 ms a step and 7 at once 88 ms of
+# wall per step of all runs (300 and 7 x 120 steps): about 51 min for the whole. What is left
+# is the loop's per-step work (the float64 copies and conserved-quantity traces of every layer,
+# the batch built on the CPU) and the processes' time-slicing of one GPU (no MPS).
 # Usage: scripts/paper_gpu.sh [OUT]   (OUT defaults to paper-report)
 set -euo pipefail
 cd "$(dirname "$0")/.."
