@@ -41,7 +41,7 @@ HF = ["transformers", "safetensors"]
 REPORT = ["matplotlib", "markdown-it-py"]
 # command -> the extras it needs (the packages named in its refusal)
 NEEDS = {
-    "reproduce --quick --out OUT": HF + REPORT,
+    "reproduce OUT --scale quick": HF + REPORT,
     "report --all": HF,
     "report DeepSeek-V3": HF,
     "report gpt2": HF,
@@ -51,7 +51,7 @@ NEEDS = {
     "audit MODEL --plot OUT/map.png": HF + REPORT,
     "diff MODEL MODEL": HF,
     "canonicalize MODEL OUT": HF,
-    "experiment paper --scale quick --out OUT": REPORT,
+    "experiment paper OUT --scale quick": REPORT,
 }
 
 
@@ -85,7 +85,7 @@ def test_missing_extras_named_before_any_work(cmd, refusals):
 def test_only_the_missing_extra_is_named(tmp_path):
     """With [report] installed and [hf] missing (the issue's case: reproduce crashed after
     3 minutes), reproduce names transformers and safetensors only."""
-    (code, err), = run_without(HF, [["reproduce", "--quick", "--out", str(tmp_path / "r")]], tmp_path)
+    (code, err), = run_without(HF, [["reproduce", str(tmp_path / "r"), "--scale", "quick"]], tmp_path)
     assert code == 2 and "transformers, safetensors" in err and "matplotlib" not in err, err
     assert "attnid[hf]'" in err and not (tmp_path / "r").exists()
 

