@@ -78,6 +78,13 @@ CONFIRMATIONS = {
     # torch.compile tracing a Hugging Face model (# the same on attnid's own layers)
     "tests/test_refind.py::test_torch_compile[llama-model]": 4,
     "tests/test_refind.py::test_torch_compile[llama-compiled]": 1,
+    # the paper scale's separate processes at smoke size (# its sizes, flags and refusals), and
+    # the whole training section from one smoke experiment (# test_second_order's claims on it)
+    "tests/paper/test_reproduce.py::test_paper_scale_trains_each_run_in_its_own_process": 22,
+    "tests/paper/test_reproduce.py::test_paper_scale_report_is_built_from_the_runs": 6.5,
+    "tests/paper/test_reproduce.py::test_a_failed_run_stops_the_launch_and_names_its_log": 2.2,
+    "tests/paper/test_reproduce.py::test_the_training_path_needs_only_torch_and_numpy": 4,
+    "tests/paper/test_experiment.py::test_experiment_smoke_writes_every_figure_and_claim": 20,
 }
 
 
