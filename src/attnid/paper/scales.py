@@ -71,9 +71,9 @@ class RunContext(Context):
 
 
 def sizes_of(ctx: Context) -> Sizes:
-    """The sizes ``ctx`` asks for."""
-    scale = getattr(ctx, "scale", "quick" if ctx.quick else "full")
-    return SIZES[scale]
+    """The sizes ``ctx`` asks for: its ``scale``, or (a plain `Context`, whose scale may be
+    None) ``quick`` when ``ctx.quick``, else ``full``."""
+    return SIZES[ctx.scale or ("quick" if ctx.quick else "full")]
 
 
 PAPER_JOBS = 7  # the paper's four cases and three more sweep runs: all at once on one GPU
