@@ -34,7 +34,7 @@ from typing import Any, Literal
 import torch
 
 from attnid.checkpoint.load import Checkpoint, open_checkpoint
-from attnid.checkpoint.output import check_out_dir, staged, verify_end_to_end
+from attnid.checkpoint.output import check_out_dir, staged, untie_files, verify_end_to_end
 from attnid.checkpoint.units import Units, open_units
 from attnid.errors import AttnidError
 from attnid.io import DTYPES, write_streaming
@@ -144,7 +144,7 @@ def rewrite(in_dir: str | Path, out_dir: str | Path, recipe: Recipe, *, force: b
     with staged(dst, ck.root, {f.path.name for f in ck.files}) as tmp:
         _write(ck, units, recipe, element, tmp, shown)
         if units.untied:
-            _untie_files(ck, units, tmp)
+            untie_files(ck, units, tmp)
         shown.line("verifying: attnid diff against the input")
         check = diff(ck, open_checkpoint(tmp, purpose="rewrite"))
         if not check["certified"]:
@@ -205,21 +205,3 @@ def _write(ck: Checkpoint, units: Units, recipe: Recipe, element, tmp: Path, pro
         names.sort(key=lambda n: unit_of.get(n, -1))
         entries = [(n, f.info(src_of.get(n, n)).dtype, f.info(src_of.get(n, n)).shape) for n in names]
         write_streaming(tmp / f.path.name, entries, produce, f.metadata)
-
-
-
-
-def _untie_files(ck: Checkpoint, units: Units, tmp: Path) -> None:
-    """The written config says ``tie_word_embeddings: false``; a sharded checkpoint's index
-    names the shard holding the new head (beside its table)."""
-    import json
-
-    config = json.loads((tmp / "config.json").read_text())
-    config["tie_word_embeddings"] = False
-    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    index = tmp / "model.safetensors.index.json"
-    if index.exists():
-        data = json.loads(index.read_text())
-        table = units.to_ck[units.untied]
-        data["weight_map"][units.untied] = ck.index[table].path.name
-        index.write_text(json.dumps(data, indent=2) + "\n")
