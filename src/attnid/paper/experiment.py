@@ -93,15 +93,17 @@ def variant_model(base: GPTConfig, prefix: str) -> GPTConfig:
     return base
 
 
-def case_configs(scale: str, *, beyond: bool = True, seed: int = 0, device: str = "cpu"
-                 ) -> dict[str, TrainConfig]:
-    """Every run of the experiment, by name."""
+def case_configs(scale: str, *, beyond: bool = True, seed: int = 0, device: str = "cpu",
+                 cuda_graph: bool = True) -> dict[str, TrainConfig]:
+    """Every run of the experiment, by name (on CUDA, with ``cuda_graph``, each replays its
+    forward and backward pass as a graph: `attnid.train.cuda.GraphedLoss`)."""
     if scale not in SCALES:
         raise AttnidError(f"unknown scale {scale!r}: use one of {', '.join(SCALES)}")
     sc = SCALES[scale]
     base_model = GPTConfig(**PRESETS[sc.preset], attn_bias="qk")
     base = TrainConfig(model=base_model, steps=sc.steps, batch_size=sc.batch_size, seed=seed,
-                       log_every=sc.log_every, eval_every=sc.eval_every, device=device)
+                       log_every=sc.log_every, eval_every=sc.eval_every, device=device,
+                       cuda_graph=cuda_graph and device.startswith("cuda"))
 
     def four(prefix: str) -> dict[str, TrainConfig]:
         b = replace(base, model=variant_model(base_model, prefix))
@@ -205,14 +207,14 @@ def _measure(name: str) -> Measure:
 
 def run_experiment(out: Path, *, scale: str = "default", beyond: bool = True, seed: int = 0,
                    device: str = "cpu", jobs: int = 1, precision: Precision = "fp32",
-                   progress: Progress | None = None) -> ExperimentData:
+                   cuda_graph: bool = True, progress: Progress | None = None) -> ExperimentData:
     """Train every case (reusing identical runs) under ``out/runs``; return the measurements.
 
     ``jobs > 1``: each distinct run trains in its own process, ``jobs`` at a time
     (`attnid.paper.runs.launch`); otherwise one after the other in this process."""
     out = Path(out)
     shown = progress if progress is not None else Progress(enabled=False)
-    runs = case_configs(scale, beyond=beyond, seed=seed, device=device)
+    runs = case_configs(scale, beyond=beyond, seed=seed, device=device, cuda_graph=cuda_graph)
     first: dict[str, str] = {}  # the config's key -> the first run with it
     for name, cfg in runs.items():  # e.g. the sweep's lr 0.25 is case 1
         first.setdefault(json.dumps(cfg.to_dict(), sort_keys=True), name)

@@ -89,13 +89,15 @@ def experiment_options(ctx: Context) -> dict[str, Any]:
 
 
 def train_runs(out: str | Path, scale: str = "paper", *, device: str = "cpu", jobs: int = 1,
-               progress: Progress | None = None) -> Path:
+               cuda_graph: bool = True, progress: Progress | None = None) -> Path:
     """The training of `attnid reproduce` alone, into ``out/experiment`` (torch and numpy
     only); the report is built later, anywhere, with ``reproduce OUT --from-runs
-    OUT/experiment``. Returns the experiment folder."""
+    OUT/experiment``. Returns the experiment folder. ``cuda_graph=False``: on CUDA, the
+    forward and backward passes run op by op instead of as a replayed graph."""
     from attnid.paper.experiment import run_experiment
 
     ctx = RunContext(Path(out), SIZES[scale].pretrained_quick, progress or Progress(enabled=False),
                      scale=scale, device=device, jobs=jobs)
-    run_experiment(ctx.out / "experiment", **experiment_options(ctx), progress=ctx.progress)
+    run_experiment(ctx.out / "experiment", **experiment_options(ctx), cuda_graph=cuda_graph,
+                   progress=ctx.progress)
     return ctx.out / "experiment"

@@ -25,12 +25,13 @@ from attnid.errors import AttnidError
 from attnid.monitor import Corrector, Monitor, StepMetrics, parse_correction
 from attnid.progress import Progress
 from attnid.stats import median
-from attnid.symmetry.conserved import conserved, flat_key, kv_group_trace
-from attnid.symmetry.tangent import side_names
+from attnid.symmetry.conserved import flat_key
+from attnid.train.cuda import GraphedLoss, HostMirror
 from attnid.train.data import shakespeare
 from attnid.train.export import Export, check_export, export_hf
 from attnid.train.model import GPT, GPTConfig
-from attnid.weights import SIDES, AttentionWeights, Side
+from attnid.train.sizes import UpdateSizes
+from attnid.weights import SIDES, Side
 
 PRESETS: dict[str, dict[str, Any]] = {
     # CPU-sized: the effects are visible in a few hundred steps on two cores
@@ -64,6 +65,7 @@ class TrainConfig:
     device: str = "cpu"
     schedule: str = "constant"  # constant | cosine (to lr / 10 at the last step)
     warmup: int = 0  # steps of linear warmup from lr / warmup
+    cuda_graph: bool = False  # CUDA only: replay forward + backward as one graph (attnid.train.cuda)
 
     def __post_init__(self) -> None:
         if self.optimizer not in ("sgd", "adam", "adamw"):
@@ -80,6 +82,8 @@ class TrainConfig:
         if self.weight_decay < 0:
             raise AttnidError("weight_decay must be >= 0")
         parse_correction(self.correct)
+        if self.cuda_graph and not self.device.startswith("cuda"):
+            raise AttnidError(f"cuda_graph needs a CUDA device, not {self.device!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -200,72 +204,6 @@ def _save(run: _Run, out: Path, step: int) -> None:
         tmp.replace(path)
 
 
-class _UpdateSizes:
-    """Squared norm of every step's attention update, per layer and side, summed between logs,
-    and the trace of the conserved quantity's form evaluated on the update itself.
-
-    A plain SGD step changes the conserved quantities only at second order (docs/theory.md
-    §9.3): ``C(w + d) - C(w) = C(d)`` exactly for ``d = -lr g`` on the VO side, and its
-    commutant projection on the QK side, so per step ``||C_after - C_before||_F <= ||d_side||^2``
-    and ``tau_after - tau_before = trace C(d)`` (``||d_Q~||^2 - ||d_K~||^2`` on QK,
-    ``||d_V~||^2 - ||d_O||^2`` on VO; QK-norm's QK side: ``||d g_Q||^2 - ||d g_K||^2``).
-    Logging the sums of ``||d_side||^2`` and of ``trace C(d)`` between records (and the largest
-    single ``||d||``) makes both checkable over the whole run, not only at the logged steps.
-    Cheap: one copy of the attention weights per step.
-    """
-
-    def __init__(self, model: GPT) -> None:
-        self.specs = [b.attn.spec for b in model.blocks]
-        self.params = [dict(b.attn.named_parameters()) for b in model.blocks]
-        self._before: list[dict[str, torch.Tensor]] = []
-        self._reset()
-
-    def _reset(self) -> None:
-        # float64 sums on the weights' device, read back only at a record (`take`): a read per
-        # layer and side every step would wait for the GPU each time (on CUDA that tripled a step)
-        zero = lambda *shape: torch.zeros(shape, dtype=torch.float64, device=self.device)  # noqa: E731
-        n = len(self.params)
-        self.sq: dict[Side, list[torch.Tensor]] = {side: [zero() for _ in range(n)] for side in SIDES}
-        self.tau: dict[Side, list[torch.Tensor]] = {  # sum of trace C(Δw), per kv group
-            side: [zero(1 if side == "qk" and s.qk_norm != "none" else s.n_kv_heads) for s in self.specs]
-            for side in SIDES}
-        self.norm_max = [zero() for _ in range(n)]  # the largest single ||Δw||
-
-    @property
-    def device(self) -> torch.device:
-        return next(iter(self.params[0].values())).device
-
-    def _flat(self) -> list[dict[str, torch.Tensor]]:
-        return [{n: p.detach().double() for n, p in layer.items()} for layer in self.params]
-
-    def before(self) -> None:
-        self._before = self._flat()
-
-    def after(self) -> None:
-        now = self._flat()
-        for i, (spec, w0, w1) in enumerate(zip(self.specs, self._before, now, strict=True)):
-            d = {n: w1[n] - w0[n] for n in w1}
-            total = 0.0
-            for side in SIDES:
-                sq = sum(d[n].square().sum() for n in side_names(spec, side))
-                self.sq[side][i] += sq
-                total = total + sq
-                dw = AttentionWeights.from_tensors(spec, d)
-                self.tau[side][i] += kv_group_trace(conserved(dw, side), dw, side).reshape(-1)  # [G]
-            self.norm_max[i] = torch.maximum(self.norm_max[i], torch.as_tensor(total).sqrt())
-
-    def take(self) -> dict[str, list]:
-        """The sums since the last record, under their JSONL names (``update_sq_qk``,
-        ``update_sq_vo``, ``update_norm_max``: per layer; ``update_tau_qk``, ``update_tau_vo``:
-        per layer and kv group), then reset."""
-        out: dict[str, list] = {flat_key("update_sq", side): [float(x) for x in self.sq[side]]
-                                for side in SIDES}
-        out.update({flat_key("update_tau", side): [x.tolist() for x in self.tau[side]] for side in SIDES})
-        out["update_norm_max"] = [float(x) for x in self.norm_max]
-        self._reset()
-        return out
-
-
 @dataclass(frozen=True)
 class OrbitSummary:
     """One side over a run: the median tangent share rho of the logged updates (after the
@@ -337,13 +275,16 @@ def train(cfg: TrainConfig, out: Path, *, resume: bool = False, progress: bool |
     if hf:  # before any training (under --resume, the saved model's config)
         check_export(cfg.model, out / "hf", force=True)
     data = shakespeare()
-    monitor = Monitor(run.model)
+    on_gpu = torch.device(cfg.device).type == "cuda"
+    mirror = HostMirror(run.model) if on_gpu else None  # the Monitor measures a CPU copy
+    monitor = Monitor(run.model if mirror is None else mirror.layers)
     corrector = Corrector(run.model, cfg.correct)
-    sizes = _UpdateSizes(run.model)
+    sizes = UpdateSizes(run.model)
+    shown = progress if isinstance(progress, Progress) else Progress(enabled=bool(progress))
+    graphed = _graphed(run, shown)
     eval_gen = torch.Generator().manual_seed(7)
     log = _open_log(run, out, resume)
     logged: list[StepMetrics] = []
-    shown = progress if isinstance(progress, Progress) else Progress(enabled=bool(progress))
     bar = shown.steps(cfg.steps, "train", run.start) if run.rank == 0 else Progress(enabled=False).steps(1)
     step, last_loss, t0 = run.start, float("nan"), time.perf_counter()
     try:
@@ -352,17 +293,27 @@ def train(cfg: TrainConfig, out: Path, *, resume: bool = False, progress: bool |
                 for param_group in run.opt.param_groups:
                     param_group["lr"] = cfg.lr_at(step)
             x, y = data.batch("train", cfg.batch_size, cfg.model.block_size, run.gen)
-            _, loss = run.wrapped(x.to(cfg.device), y.to(cfg.device))
-            run.opt.zero_grad(set_to_none=True)
-            loss.backward()
+            if graphed is not None:  # the gradients land in .grad, overwritten
+                loss = graphed(x, y)
+            else:  # non_blocking: the copy waits for nothing queued on the GPU
+                x, y = x.to(cfg.device, non_blocking=True), y.to(cfg.device, non_blocking=True)
+                _, loss = run.wrapped(x, y)
+                run.opt.zero_grad(set_to_none=True)
+                loss.backward()
             logging = step == 1 or step % cfg.log_every == 0 or step == cfg.steps
+            if logging and mirror is not None:
+                mirror.pull(grads=True)
             sizes.before()
-            with monitor.step() if logging else contextlib.nullcontext(), corrector.step():
-                run.opt.step()
+            with monitor.step() if logging else contextlib.nullcontext():
+                with corrector.step():
+                    run.opt.step()
+                if logging and mirror is not None:
+                    mirror.pull()
             sizes.after()
-            last_loss = float(loss.detach())
-            if not math.isfinite(last_loss):
-                raise AttnidError(f"the loss diverged at step {step} (lr {cfg.lr} too large?)")
+            if logging or not on_gpu:  # on a GPU, reading the loss waits for it: at a record only
+                last_loss = float(loss.detach())
+                if not math.isfinite(last_loss):
+                    raise AttnidError(f"the loss diverged by step {step} (lr {cfg.lr} too large?)")
             if logging:
                 logged.append(monitor.last)
                 record: dict[str, Any] = {"step": step, "loss": last_loss, **monitor.last.to_dict(),
@@ -391,6 +342,20 @@ def train(cfg: TrainConfig, out: Path, *, resume: bool = False, progress: bool |
     if hf and run.rank == 0:
         exported = export_hf(run.model, out / "hf", data.chars, force=True)
     return _finish(run, out, last_loss, seconds, orbit, exported)
+
+
+def _graphed(run: _Run, shown: Progress) -> GraphedLoss | None:
+    """The run's forward and backward pass as a CUDA graph when its config asks for one (one
+    process only); None, with a line saying why, when the capture fails."""
+    cfg = run.cfg
+    if not cfg.cuda_graph or run.world > 1:
+        return None
+    try:
+        return GraphedLoss(run.wrapped, cfg.batch_size, cfg.model.block_size, cfg.device)
+    except RuntimeError as e:  # an operation the capture does not take: train without the graph
+        shown.line(f"CUDA graph capture failed ({str(e).splitlines()[0]}): training without it")
+        run.model.zero_grad(set_to_none=True)
+        return None
 
 
 def _finish(run: _Run, out: Path, last_loss: float, seconds: float, orbit: dict[Side, OrbitSummary],
