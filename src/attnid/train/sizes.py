@@ -33,80 +33,79 @@ PER_KV_GROUP = ("W_K", "b_K", "W_V", "b_V")
 
 
 def _kv_grouped(per_head: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
-    """``[H] -> [G]``: summed over each key/value group's heads."""
-    return per_head.reshape(spec.n_kv_heads, spec.kv_group_size).sum(-1)
+    """``[..., H] -> [..., G]``: summed over each key/value group's heads."""
+    return per_head.reshape(*per_head.shape[:-1], spec.n_kv_heads, spec.kv_group_size).sum(-1)
 
 
 def trace_of_update(spec: AttentionSpec, sq: dict[str, torch.Tensor], side: Side) -> torch.Tensor:
-    """``trace C(d)`` per key/value group ``[G]`` (QK-norm QK side: ``[1]``) from the squared
-    norms ``sq[name]`` of the update's tensors, per head or kv group (``[H]``, ``[G]``) for the
-    names of :data:`PER_HEAD` and :data:`PER_KV_GROUP`, whole (``[]``) for the rest."""
-    zero = torch.zeros(spec.n_kv_heads, dtype=torch.float64, device=next(iter(sq.values())).device)
+    """``trace C(d)`` per key/value group ``[..., G]`` (QK-norm QK side: ``[..., 1]``) from the
+    squared norms ``sq[name]`` of the update's tensors: per head or kv group (``[..., H]``,
+    ``[..., G]``) for the names of :data:`PER_HEAD` and :data:`PER_KV_GROUP`, whole (``[...]``)
+    for the rest."""
     if side == "qk" and spec.qk_norm != "none":
-        return (sq["g_Q"] - sq["g_K"]).reshape(1)
+        return (sq["g_Q"] - sq["g_K"]).unsqueeze(-1)
     if side == "qk":
         left = _kv_grouped(sq["W_Q"] + sq.get("b_Q", 0), spec)
-        return left - sq["W_K"] - sq.get("b_K", zero)
-    return sq["W_V"] + sq.get("b_V", zero) - _kv_grouped(sq["W_O"], spec)
+        return left - sq["W_K"] - sq.get("b_K", 0)
+    return sq["W_V"] + sq.get("b_V", 0) - _kv_grouped(sq["W_O"], spec)
 
 
 class UpdateSizes:
     """``before()`` and ``after()`` around each update; ``take()`` at a record returns the sums
     since the last one (``update_sq_qk``, ``update_sq_vo``, ``update_norm_max``: per layer;
-    ``update_tau_qk``, ``update_tau_vo``: per layer and kv group) and starts again."""
+    ``update_tau_qk``, ``update_tau_vo``: per layer and kv group) and starts again. Every layer
+    has the same spec, so each tensor name is one float64 stack ``[L, ...]``: a step costs a
+    few dozen operations whatever the depth."""
 
     def __init__(self, model: GPT) -> None:
-        self.specs = [b.attn.spec for b in model.blocks]
-        self.names = [[n for n, _ in b.attn.named_parameters()] for b in model.blocks]
-        self.params = [p.detach() for b in model.blocks for p in b.attn.parameters()]  # layer-major
-        self.device = self.params[0].device
-        self._start = [torch.empty_like(p, dtype=torch.float64) for p in self.params]
-        self._delta = [torch.empty_like(p, dtype=torch.float64) for p in self.params]
+        self.spec = model.blocks[0].attn.spec
+        self.names = [n for n, _ in model.blocks[0].attn.named_parameters()]
+        L = len(model.blocks)
+        self.params = [b.attn.get_parameter(n).detach() for n in self.names for b in model.blocks]  # by name
+        self._start = {n: torch.empty(L, *p.shape, dtype=torch.float64, device=p.device)
+                       for n, p in model.blocks[0].attn.named_parameters()}
+        self._now = {n: torch.empty_like(t) for n, t in self._start.items()}
+        self._start_views = [v for n in self.names for v in self._start[n].unbind(0)]
+        self._now_views = [v for n in self.names for v in self._now[n].unbind(0)]
+        self.device, self.layers = self.params[0].device, L
         self._reset()
 
     def _reset(self) -> None:
-        zero = lambda *shape: torch.zeros(shape, dtype=torch.float64, device=self.device)  # noqa: E731
-        n = len(self.specs)
-        self.sq: dict[Side, list[torch.Tensor]] = {side: [zero() for _ in range(n)] for side in SIDES}
-        self.tau: dict[Side, list[torch.Tensor]] = {
-            side: [zero(1 if side == "qk" and s.qk_norm != "none" else s.n_kv_heads) for s in self.specs]
+        zero = lambda *shape: torch.zeros(self.layers, *shape, dtype=torch.float64, device=self.device)  # noqa: E731
+        self.sq: dict[Side, torch.Tensor] = {side: zero() for side in SIDES}  # [L]
+        self.tau: dict[Side, torch.Tensor] = {  # [L, G] (QK-norm QK side: [L, 1])
+            side: zero(1 if side == "qk" and self.spec.qk_norm != "none" else self.spec.n_kv_heads)
             for side in SIDES}
-        self.norm_max = [zero() for _ in range(n)]  # the largest single ||Δw||
+        self.norm_max = zero()  # [L]: the largest single ||Δw||
 
     def before(self) -> None:
-        torch._foreach_copy_(self._start, self.params)
+        torch._foreach_copy_(self._start_views, self.params)
 
     def after(self) -> None:
-        torch._foreach_copy_(self._delta, self.params)
-        torch._foreach_sub_(self._delta, self._start)  # exact: float32 values differ exactly in float64
-        torch._foreach_mul_(self._delta, self._delta)
-        squares = iter(self._delta)
-        for i, (spec, names) in enumerate(zip(self.specs, self.names, strict=True)):
-            sq = {}
-            for name in names:
-                t = next(squares)  # [H or G, ...] or a whole tensor
-                sq[name] = t.flatten(1).sum(1) if name in PER_HEAD + PER_KV_GROUP else t.sum()
-            total = 0.0
-            for side in SIDES:
-                side_sq = sum(sq[n].sum() for n in side_names(spec, side))
-                self.sq[side][i] += side_sq
-                total = total + side_sq
-                self.tau[side][i] += trace_of_update(spec, sq, side)
-            self.norm_max[i] = torch.maximum(self.norm_max[i], torch.as_tensor(total).sqrt())
+        torch._foreach_copy_(self._now_views, self.params)
+        sq = {}
+        for n in self.names:  # exact: float32 values differ exactly in float64
+            d2 = self._now[n].sub_(self._start[n]).square_()  # [L, ...]
+            sq[n] = d2.flatten(2).sum(-1) if n in PER_HEAD + PER_KV_GROUP else d2.flatten(1).sum(-1)
+        total = 0.0
+        for side in SIDES:
+            side_sq = sum(sq[n].reshape(self.layers, -1).sum(-1) for n in side_names(self.spec, side))
+            self.sq[side] += side_sq
+            total = total + side_sq
+            self.tau[side] += trace_of_update(self.spec, sq, side)
+        torch.maximum(self.norm_max, torch.as_tensor(total).sqrt(), out=self.norm_max)
 
     def take(self) -> dict[str, list]:
         """The sums since the last record under their JSONL names, then reset. One read back
         from the weights' device for all of them."""
-        parts = [self.sq[side] for side in SIDES] + [self.tau[side] for side in SIDES] + [self.norm_max]
-        values = torch.cat([t.reshape(-1) for part in parts for t in part]).tolist()
+        keys = [flat_key(q, s) for q in ("update_sq", "update_tau") for s in SIDES] + ["update_norm_max"]
+        parts = [self.sq[s] for s in SIDES] + [self.tau[s] for s in SIDES] + [self.norm_max]
+        values = torch.cat([t.reshape(-1) for t in parts]).tolist()
         out: dict[str, list] = {}
         at = 0
-        keys = [flat_key(q, s) for q in ("update_sq", "update_tau") for s in SIDES] + ["update_norm_max"]
-        for key, part in zip(keys, parts, strict=True):
-            rows = []
-            for t in part:
-                rows.append(values[at] if t.dim() == 0 else values[at: at + t.numel()])
-                at += t.numel()
-            out[key] = rows
+        for key, t in zip(keys, parts, strict=True):
+            flat, at = values[at: at + t.numel()], at + t.numel()
+            width = t.shape[-1]
+            out[key] = flat if t.dim() == 1 else [flat[i: i + width] for i in range(0, len(flat), width)]
         self._reset()
         return out
