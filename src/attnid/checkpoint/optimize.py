@@ -36,7 +36,7 @@ from attnid.quantize.rtn import Scheme, parse_scheme
 from attnid.quantize.search import Search, parse_parts
 from attnid.whole.transforms.layout import Layout
 
-__all__ = ["check_optimizable", "optimize"]
+__all__ = ["check_optimizable", "objective_of", "optimize"]
 
 
 def _scheme(text: str) -> Scheme:
@@ -124,6 +124,20 @@ def optimize(in_dir: str | Path, out_dir: str | Path, scheme: str, calibration: 
             "certified": True, "max_residual": worst, "tolerance": check["tolerance"],
             "end_to_end_rel_diff": e2e, "search_seconds": search_seconds,
             "seconds": time.perf_counter() - start, "out_dir": str(dst)}
+
+
+def objective_of(model: str | Path, scheme: str, calibration: str | Path, *, tokens: int = 512,
+                 context: int | None = None) -> float:
+    """The objective of a checkpoint as it is (no element): what `optimize` reports as
+    ``objective.input``, for comparing checkpoints written by other means (QuaRot's rewrite)."""
+    sch = _scheme(scheme)
+    ck = open_checkpoint(model, purpose="rewrite")
+    units = open_units(ck)
+    check_optimizable(units.layout, ck)
+    chunks = read_chunks(ck, calibration, context=context, max_tokens=tokens, option="--calibration")
+    calib = capture(ck, units, chunks)
+    return Search(lambda i: units.load(i + 1, torch.float32), calib, sch, _activation(ck.config),
+                  frozenset()).start()
 
 
 def _activation(config: dict) -> Callable[[torch.Tensor], torch.Tensor]:
