@@ -210,3 +210,15 @@ def test_bad_input_is_one_error_line_and_nothing_is_written(case, tmp_path, text
     assert_one_error(code, err, "", words)
     assert not (tmp_path / "out").exists() and fingerprint(src) == before
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")], "a staging folder was left"
+
+
+def test_text_output_names_the_objective_and_the_certificate(tmp_path, text, capsys):
+    src = save(LLAMA, tmp_path, "m", torch.float32)
+    capsys.readouterr()
+    code = main(["rewrite", str(src), str(tmp_path / "out"), "--optimize", "w4:16",
+                 "--calibration", str(text), "--optimize-parts", "norm,mlp"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "optimized for w4:16 (mlp,norm; 512 calibration tokens)" in out, out
+    assert "objective: input" in out and "norm:" in out and "mlp:" in out, out
+    assert "certified by attnid diff" in out, out
