@@ -86,6 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=4096, help="held-out tokens per measurement")
     ap.add_argument("--figure", type=Path, default=None, help="write the figure (PNG) here")
     ap.add_argument("--redo", action="store_true", help="measure again what OUT/results.json has")
+    ap.add_argument("--also", nargs="*", type=Path, default=[],
+                    help="other runs' OUT directories whose rows join the table and figure")
     args = ap.parse_args(argv)
     models = {}
     for spec in args.model:
@@ -254,20 +256,25 @@ def row_certified(r: dict) -> str:
     return "yes (rewrite's own diff)" if flags and all(flags) else ("" if not flags else "?")
 
 
+def ppl(p: float) -> str:
+    return f"{p:.3f}" if p < 10 else f"{p:,.2f}"
+
+
 def table(data: dict, schemes: list[str]) -> str:
     """One markdown table per model: perplexity at each scheme, the time to make the row, and
     whether it is certified a symmetry of the model."""
     out = []
     for name, rows in data.items():
         fl = rows.get("none", {}).get("eval", {}).get("float", {})
-        out.append(f"**{name}** (float perplexity {fl.get('perplexity', float('nan')):.2f} on "
+        out.append(f"**{name}** (float perplexity {ppl(fl.get('perplexity', math.nan))} on "
                    f"{fl.get('predicted', 0):,} held-out tokens)\n")
         out.append("| row | " + " | ".join(schemes) + " | time to make (s) | certified |")
         out.append("| --- |" + " --- |" * (len(schemes) + 2))
-        for row, r in rows.items():
+        order = [*ROWS, *PEER]
+        for row, r in sorted(rows.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order)):
             status = next((v["status"] for k, v in r.items()
                            if k.startswith("rewrite") and v["status"] != "ok"), "")
-            cells = [f"{r['eval'][s]['perplexity']:.2f}" if s in r.get("eval", {}) else status if i == 0
+            cells = [ppl(r["eval"][s]["perplexity"]) if s in r.get("eval", {}) else status if i == 0
                      else "" for i, s in enumerate(schemes)]
             t = row_seconds(r)
             out.append(f"| {row} | " + " | ".join(cells) + f" | {'' if t is None else f'{t:.0f}'} | "
@@ -322,6 +329,11 @@ def main(argv: list[str] | None = None) -> None:
         if not f.is_file():
             raise SystemExit(f"error: {f}: no such file")
     res = measure(args)
+    for other in args.also:  # rows measured by another run (another --target, another process)
+        for model, rows in json.loads((other / "results.json").read_text()).items():
+            for row, r in rows.items():
+                if r.get("eval") and row != "none":
+                    res.data.setdefault(model, {})[row] = r
     md = table(res.data, args.schemes)
     (args.out / "quantize.md").write_text(md)
     (args.out / "quantize.json").write_text(json.dumps(res.data, indent=1))
