@@ -271,7 +271,7 @@ def table(data: dict, schemes: list[str]) -> str:
         out.append("| row | " + " | ".join(schemes) + " | time to make (s) | certified |")
         out.append("| --- |" + " --- |" * (len(schemes) + 2))
         order = [*ROWS, *PEER]
-        for row, r in sorted(rows.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order)):
+        for row, r in sorted(rows.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else 99):
             status = next((v["status"] for k, v in r.items()
                            if k.startswith("rewrite") and v["status"] != "ok"), "")
             cells = [ppl(r["eval"][s]["perplexity"]) if s in r.get("eval", {}) else status if i == 0
