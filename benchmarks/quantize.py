@@ -292,18 +292,23 @@ def figure(data: dict, schemes: list[str], path: Path) -> None:
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
-    fig, axes = plt.subplots(1, len(data), figsize=(5.2 * len(data), 4.2), squeeze=False)
+    order = [*ROWS, *PEER]
+    cmap = plt.get_cmap("tab20")
+    colors = {row: cmap(i % 20) for i, row in enumerate(order)}
+    fig, axes = plt.subplots(1, len(data), figsize=(4.6 * len(data) + 2.6, 4.0), squeeze=False)
+    handles: dict = {}
     for ax, (name, rows) in zip(axes[0], data.items(), strict=True):
-        shown = [row for row, r in rows.items() if any(s in r.get("eval", {}) for s in schemes)]
-        width = 0.8 / max(len(shown), 1)
-        cmap = plt.get_cmap("tab10")
+        shown = sorted((row for row, r in rows.items() if any(s in r.get("eval", {}) for s in schemes)),
+                       key=lambda row: order.index(row) if row in order else 99)
+        width = 0.84 / max(len(shown), 1)
         for i, row in enumerate(shown):
             ys = [rows[row]["eval"].get(s, {}).get("perplexity", math.nan) for s in schemes]
             xs = [j + (i - (len(shown) - 1) / 2) * width for j in range(len(schemes))]
-            ax.bar(xs, ys, width, label=row, color=cmap(i % 10))
+            handles[row] = ax.bar(xs, ys, width, color=colors.get(row, "grey"))
         fl = rows.get("none", {}).get("eval", {}).get("float", {}).get("perplexity")
         if fl:
-            ax.axhline(fl, color="k", ls="--", lw=1, label=f"float ({fl:.1f})")
+            handles["float"] = ax.axhline(fl, color="k", ls="--", lw=1)
+            ax.text(len(schemes) - 0.55, fl, f" float {fl:.4g}", va="bottom", ha="right", fontsize=7)
         values = [v["perplexity"] for r in rows.values() for v in r.get("eval", {}).values()]
         if values and max(values) > 3 * min(values):
             ax.set_yscale("log")
@@ -315,8 +320,9 @@ def figure(data: dict, schemes: list[str], path: Path) -> None:
         ax.set_title(name)
         ax.set_ylabel("held-out perplexity after RTN")
         ax.grid(axis="y", which="both", alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
+    labels = [row for row in [*order, "float"] if row in handles]
+    fig.legend([handles[k] for k in labels], labels, loc="center right", fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1 - 2.4 / (4.6 * len(data) + 2.6), 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)
     plt.close(fig)
