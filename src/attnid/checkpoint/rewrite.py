@@ -139,6 +139,19 @@ def rewrite(in_dir: str | Path, out_dir: str | Path, recipe: Recipe, *, force: b
     units = open_units(ck, untie=recipe.untie)
     element = draw(units, recipe)
     shown = progress if progress is not None else Progress(enabled=False)
+    check, e2e = write_certified(ck, units, recipe, element, dst, shown, end_to_end_max_bytes)
+    worst = max([row["residual"] for row in check["layers"]] + [check["other"]["residual"]])
+    return {"architecture": ck.adapter.family, "layers": ck.n_layers,
+            "operations": {k: v for k, v in asdict(recipe).items() if k != "seed"}, "seed": recipe.seed,
+            "untied": units.untied, "certified": True, "max_residual": worst, "tolerance": check["tolerance"],
+            "end_to_end_rel_diff": e2e, "seconds": time.perf_counter() - start, "out_dir": str(dst)}
+
+
+def write_certified(ck: Checkpoint, units: Units, recipe: Recipe, element, dst: Path, shown: Progress,
+                    end_to_end_max_bytes: int) -> tuple[dict[str, Any], float | None]:
+    """Write ``element`` (after folding the norms when ``recipe`` says so) of ``ck`` into a
+    temporary sibling of ``dst``, certify it by `attnid diff` against the input and end to end,
+    and only then move it into place; returns ``(the diff's JSON, the end-to-end difference)``."""
     from attnid.checkpoint.diff import diff  # the verification: the whole-model invariants
 
     with staged(dst, ck.root, {f.path.name for f in ck.files}) as tmp:
@@ -153,11 +166,7 @@ def rewrite(in_dir: str | Path, out_dir: str | Path, recipe: Recipe, *, force: b
             raise AttnidError(f"refused: the rewritten checkpoint is not certified ({where}, {b['tensor']}: "
                               f"residual {b['residual']:.2e}); nothing was written")
         e2e = verify_end_to_end(ck, tmp, end_to_end_max_bytes)
-    worst = max([row["residual"] for row in check["layers"]] + [check["other"]["residual"]])
-    return {"architecture": ck.adapter.family, "layers": ck.n_layers,
-            "operations": {k: v for k, v in asdict(recipe).items() if k != "seed"}, "seed": recipe.seed,
-            "untied": units.untied, "certified": True, "max_residual": worst, "tolerance": check["tolerance"],
-            "end_to_end_rel_diff": e2e, "seconds": time.perf_counter() - start, "out_dir": str(dst)}
+    return check, e2e
 
 
 def _write(ck: Checkpoint, units: Units, recipe: Recipe, element, tmp: Path, progress: Progress) -> None:

@@ -34,6 +34,16 @@ def rewrite_cmd(
                         "tie_word_embeddings false), which takes the final norm's gain: what "
                         "--rotate-residual needs when that gain is not uniform (QuaRot, "
                         "SpinQuant).")] = False,
+    optimize: Annotated[str | None, typer.Option(
+        "--optimize", help="Search the group element under which round-to-nearest of the weights "
+                           "hurts least, for this scheme: w4, w3, w4:64, w3:64, w8 (needs "
+                           "--calibration; alone: no other rewrite option).")] = None,
+    calibration: Annotated[str | None, typer.Option(
+        "--calibration", help="Calibration text for --optimize (tokenized with the model's "
+                              "tokenizer; its first 512 tokens are used).")] = None,
+    optimize_parts: Annotated[str | None, typer.Option(
+        "--optimize-parts", help="Parts searched by --optimize: a comma list of r1,norm,vo,qk,mlp "
+                                 "(default: all), or awq (the diagonal balances only).")] = None,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random parts.")] = 0,
     force: Annotated[bool, typer.Option("--force", help="Replace a non-empty OUT_DIR.")] = False,
     json_out: Json = False,
@@ -46,6 +56,11 @@ def rewrite_cmd(
     from attnid.errors import require_extras
 
     require_extras("hf", what="attnid rewrite")
+    if optimize is not None or calibration is not None or optimize_parts is not None:
+        _optimize(in_dir, out_dir, optimize, calibration, optimize_parts,
+                  [fold_norms, rotate_residual, rotate_values, qk_planes, scale_mlp, permute_mlp,
+                   permute_heads, untie], seed, force, json_out)
+        return
 
     recipe = Recipe(fold_norms=fold_norms, rotate_residual=rotate_residual, rotate_values=rotate_values,
                     qk_planes=qk_planes, scale_mlp=scale_mlp, permute_mlp=permute_mlp,
@@ -65,3 +80,33 @@ def rewrite_cmd(
                f"  certified by attnid diff: every residual <= {r['max_residual']:.2e} "
                f"(rounding level {r['tolerance']:.1e})\n  end to end: "
                + ("skipped (large checkpoint)" if e2e is None else f"{e2e:.2e}") + f"; {r['seconds']:.1f}s")
+
+
+def _optimize(in_dir: str, out_dir: str, scheme: str | None, calibration: str | None, parts: str | None,
+              others: list, seed: int, force: bool, json_out: bool) -> None:
+    from attnid.checkpoint.optimize import optimize
+    from attnid.errors import AttnidError
+
+    if scheme is None:
+        raise AttnidError("--calibration and --optimize-parts go with --optimize SCHEME")
+    if calibration is None:
+        raise AttnidError("--optimize needs --calibration FILE (the text its activations come from)")
+    if any(others):
+        raise AttnidError("--optimize chooses the whole element itself: give it without --fold-norms, "
+                          "--rotate-residual, --rotate-values, --qk-planes, --scale-mlp, --permute-mlp, "
+                          "--permute-heads, --untie")
+    r = optimize(in_dir, out_dir, scheme, calibration, parts=parts, seed=seed, force=force,
+                 progress=sized_progress(in_dir, above=2**22))
+    if json_out:
+        emit_json(r)
+        return
+    o = r["objective"]
+    parts = r["parts"] if isinstance(r["parts"], str) else ",".join(r["parts"])
+    folded = f", folded {o['folded']:.4g}" if "folded" in o else ""
+    typer.echo(f"{r['architecture']}: {r['layers']} layers -> {out_dir}\n"
+               f"  optimized for {r['scheme']} ({parts}; {r['calibration_tokens']} calibration tokens)\n"
+               f"  objective: input {o['input']:.4g}{folded} -> {o['found']:.4g}\n"
+               + "".join(f"  {k}: {v['before']:.4g} -> {v['after']:.4g} ({v['seconds']:.1f}s)\n"
+                         for k, v in r["parts_objective"].items())
+               + f"  certified by attnid diff: every residual <= {r['max_residual']:.2e} "
+               f"(rounding level {r['tolerance']:.1e}); {r['seconds']:.1f}s")
