@@ -1,4 +1,4 @@
-"""Refine an alignment for the barrier (docs/theory.md §13.22): with B already aligned onto A
+"""Refine an alignment for the barrier (docs/theory.md §13.23): with B already aligned onto A
 (the permutations matched, `attnid.whole.align.aligner`), choose the continuous part of one
 more group element ``g`` to lower the loss of ``(1 - alpha) A + alpha g(B)`` on calibration
 tokens, by gradient steps on parameters that keep every iterate in the group:
