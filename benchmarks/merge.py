@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from attnid.checkpoint.align import CALIBRATION_TOKENS, load_tensors
+from attnid.checkpoint.align import CALIBRATION_TOKENS, REFINE_TOKENS, load_tensors
 from attnid.checkpoint.barrier import Evaluator, mid_barrier, path_losses
 from attnid.checkpoint.evaluate import load_causal_lm
 from attnid.checkpoint.load import open_checkpoint
@@ -82,10 +82,12 @@ def run_pair(arch: str, hf_a: Path, hf_b: Path, data: Path, calibration: Path, m
     ck = open_checkpoint(hf_a)
     A, B = load_tensors(open_units(ck)), load_tensors(open_units(open_checkpoint(hf_b)))
     chunks = read_chunks(ck, data, context=context, max_tokens=tokens)
-    calib = read_chunks(ck, calibration, context=context, max_tokens=CALIBRATION_TOKENS).ids
+    fitted = read_chunks(ck, calibration, context=context, max_tokens=REFINE_TOKENS).ids  # refinement
+    calib = fitted[:CALIBRATION_TOKENS // context]  # matching on activations
     ev = Evaluator(ck)
     lm = load_causal_lm(ck)
     result: dict = {"tokens": chunks.tokens, "context": context, "calibration_tokens": int(calib.numel()),
+                    "refine_tokens": int(fitted.numel()),
                     "variants": {}}
     runs = [("none", "weights")] + [(g, m) for g in subgroups if g != "none" for m in matchings]
     for subgroup, matching in runs:
@@ -112,7 +114,7 @@ def run_pair(arch: str, hf_a: Path, hf_b: Path, data: Path, calibration: Path, m
                          refinable_parts(al.model, subgroup, al.stream_permutation is not None)]
             for only, label in todo:
                 wall, cpu = time.perf_counter(), time.process_time()
-                r = refine(A, al.model, lm, calib, refine_steps, subgroup=subgroup, parts=only, lr=lr,
+                r = refine(A, al.model, lm, fitted, refine_steps, subgroup=subgroup, parts=only, lr=lr,
                            permuted_stream=al.stream_permutation is not None, progress=shown)
                 wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
                 losses = path_losses(ev, A, r.model, chunks, alphas, shown, f"{arch} {label}")
@@ -263,7 +265,14 @@ def main() -> None:
     ap.add_argument("--name", default="merge", help="the outputs: NAME.json, NAME_refined.png")
     ap.add_argument("--parts", action="store_true",
                     help="on the last pair, also refine the full group one part at a time")
+    ap.add_argument("--figure-from", nargs="+", type=Path, default=None, metavar="JSON",
+                    help="only draw the summary figure of these runs' JSON (one per architecture) into --out")
     args = ap.parse_args()
+    if args.figure_from:
+        merged = {a: s for f in args.figure_from for a, s in json.loads(f.read_text())["summary"].items()}
+        summary_figure(merged, args.out / f"{args.name}_refined.png", "barrier left per alignment, matched "
+                       "and refined (mean and spread over seed pairs)")
+        return
     from attnid.train.data import corpus
     from merge_train import CONTEXT, train_model, validation_text
 
@@ -273,7 +282,7 @@ def main() -> None:
     data = args.out / "held_out.txt"
     data.write_text(validation_text())
     calibration = args.out / "calibration.txt"  # training text: never the held-out part
-    calibration.write_text(corpus()[:2 * CALIBRATION_TOKENS])
+    calibration.write_text(corpus()[:2 * REFINE_TOKENS])
     alphas = [k / (args.alphas - 1) for k in range(args.alphas)]
     results, summaries = {}, {}
     for arch in args.arch:

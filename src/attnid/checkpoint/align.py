@@ -44,6 +44,18 @@ from attnid.whole.fit.fitter import compute_dtype
 from attnid.whole.transforms.state import ModelTensors
 
 CALIBRATION_TOKENS = 8192  # at most this many calibration tokens are run through both models
+REFINE_TOKENS = 2**17  # at most this many a refinement fits on (fewer over-fit the mid-point)
+
+
+def calibration_ids(ck: Checkpoint, calibration: str | Path | None, refine: int | None
+                    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The calibration text's chunks (A's tokenizer), before any work: ``(the first
+    CALIBRATION_TOKENS for matching on activations, up to REFINE_TOKENS for a refinement)``."""
+    if calibration is None:
+        return None, None
+    ids = read_chunks(ck, calibration, option="--calibration",
+                      max_tokens=CALIBRATION_TOKENS if refine is None else REFINE_TOKENS).ids
+    return ids[:max(1, CALIBRATION_TOKENS // ids.shape[1])], ids if refine is not None else None
 
 
 def open_pair(model_a: str | Path, model_b: str | Path, purpose: str = "read"
@@ -225,9 +237,7 @@ def align_checkpoints(model_a: str | Path, model_b: str | Path, out_dir: str | P
     a, b, ua, ub = open_pair(model_a, model_b, purpose="align")
     apart(Path(out_dir).resolve(), a, "A")
     _, dst = check_out_dir(b.root, out_dir, force)
-    calib = None
-    if calibration is not None:  # A's tokenizer, before any work
-        calib = read_chunks(a, calibration, option="--calibration", max_tokens=CALIBRATION_TOKENS).ids
+    calib, fitted = calibration_ids(a, calibration, refine)
     shown = progress if progress is not None else Progress(enabled=False)
     acts = None
     if calib is not None:  # running both models on the tokens: the one step that holds them whole
@@ -236,8 +246,8 @@ def align_checkpoints(model_a: str | Path, model_b: str | Path, out_dir: str | P
     refined: dict[str, Any] | None = None
     try:
         if refine is not None:
-            assert calib is not None  # check_refine
-            written, w, t, refined = refined_files(a, ua, ub, al, written, dst, calib, refine, shown)
+            assert fitted is not None  # check_refine
+            written, w, t, refined = refined_files(a, ua, ub, al, written, dst, fitted, refine, shown)
             worst, tol = (worst, tol) if w is None or t is None else (w, t)
         shown.line(f"certified against B: worst residual {worst:.2e} (rounding level {tol:.1e})")
         with staged(dst) as tmp:
@@ -288,9 +298,7 @@ def merge_checkpoints(model_a: str | Path, model_b: str | Path, out_dir: str | P
     a, b, ua, ub = open_pair(model_a, model_b, purpose="merge")
     apart(Path(out_dir).resolve(), b, "B")
     _, dst = check_out_dir(a.root, out_dir, force)
-    calib = None
-    if calibration is not None:  # A's tokenizer, before any work
-        calib = read_chunks(a, calibration, option="--calibration", max_tokens=CALIBRATION_TOKENS).ids
+    calib, fitted = calibration_ids(a, calibration, refine)
     shown = progress if progress is not None else Progress(enabled=False)
     aligned_keys: dict[str, Any] = {}
     written = None
@@ -301,8 +309,8 @@ def merge_checkpoints(model_a: str | Path, model_b: str | Path, out_dir: str | P
             al, written, worst, _ = aligned_files(ua, ub, dst, subgroup, acts, progress=shown.line)
             refined = None
             if refine is not None:
-                assert calib is not None  # check_refine
-                written, w, _, refined = refined_files(a, ua, ub, al, written, dst, calib, refine, shown)
+                assert fitted is not None  # check_refine
+                written, w, _, refined = refined_files(a, ua, ub, al, written, dst, fitted, refine, shown)
                 worst = worst if w is None else w
             ub = open_units(open_checkpoint(written, purpose="merge"), untie=ub.untied is not None)
             aligned_keys = {"max_residual": worst, "subgroup": subgroup,

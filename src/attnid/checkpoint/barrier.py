@@ -76,7 +76,7 @@ def barrier(model_a: str | Path, model_b: str | Path, data: str | Path, *, align
     """The losses along the path (naive; and aligned with ``aligned``; and refined for
     ``refine`` steps on the ``refine_calibration`` text) and their barriers."""
     from attnid.checkpoint.align import (
-        CALIBRATION_TOKENS,
+        REFINE_TOKENS,
         aligned_files,
         check_refine,
         check_subgroup,
@@ -95,7 +95,7 @@ def barrier(model_a: str | Path, model_b: str | Path, data: str | Path, *, align
     check_causal(a)
     chunks = read_chunks(a, data, context=context, max_tokens=max_tokens, option="--calibration")
     calib = None if refine_calibration is None else read_chunks(
-        a, refine_calibration, context=context, max_tokens=CALIBRATION_TOKENS,
+        a, refine_calibration, context=context, max_tokens=REFINE_TOKENS,
         option="--refine-calibration").ids
     shown = progress if progress is not None else Progress(enabled=False)
     A, B = load_tensors(ua, torch.float32), load_tensors(ub, torch.float32)  # what the evaluator runs
