@@ -1,27 +1,32 @@
 """Linear mode connectivity modulo symmetry: how much of the loss barrier between two models
-trained from different seeds each part of the symmetry group removes.
+trained from different seeds each part of the symmetry group removes, matched and refined.
 
     python benchmarks/merge.py [--arch llama gpt2] [--out runs/merge] [--alphas 11] [--steps N]
-                               [--tokens 32768]
+                               [--width D] [--seeds 0 1 2] [--tokens 32768] [--refine N [--parts]]
 
-1. Trains (once; reused when ``--out`` already holds them) two models per architecture from
-   seeds 0 and 1 on the bundled Shakespeare with attnid's own training loop and exports them
-   as Hugging Face checkpoints (``merge_train.train_model``): a Llama-style model (RMSNorm,
-   SwiGLU, RoPE, GQA, untied head) and a GPT-2-style one (LayerNorm, GELU, learned positions,
-   biases, tied head).
-2. For each pair and each variant of the group (`attnid.whole.align.SUBGROUPS`: none,
-   permutations, orthogonal, rotation, full), each matched on the weights and on activations
-   over training text (``--matching``), aligns B onto A and measures the loss along the
-   straight path ``(1 - alpha) A + alpha B`` on the held-out 10% of the corpus (the models never
-   trained on it), with A's own tokenizer, chunks of the training context.
-3. Prints per variant the mid-point barrier (loss at 0.5 less the mean end loss), its ratio to
-   the naive one and the aligned distance; and, for the full group, which part of the distance
-   is left per layer (the residual's share per tensor kind). Writes ``merge.json`` and one
-   figure per architecture (``merge_<arch>.png``: (a) the loss along the path per variant,
-   (b) each barrier's share of the naive one) into ``--out``.
+1. Trains (once; reused when ``--out`` already holds them) one model per seed and architecture
+   on the bundled Shakespeare with attnid's own training loop and exports them as Hugging Face
+   checkpoints (``merge_train.train_model``; ``--width`` and ``--steps`` shrink the recipe): a
+   Llama-style model (RMSNorm, SwiGLU, RoPE, GQA, untied head) and a GPT-2-style one
+   (LayerNorm, GELU, learned positions, biases, tied head).
+2. For every pair of seeds and each variant of the group (`attnid.whole.align.SUBGROUPS`:
+   none, permutations, orthogonal, rotation, full; ``--subgroups``), each matched on the weights
+   and on activations over training text (``--matching``), aligns B onto A and measures the
+   loss along the straight path ``(1 - alpha) A + alpha B`` on the held-out 10% of the corpus
+   (the models never trained on it), with A's own tokenizer, chunks of the training context.
+   With ``--refine N`` the variants in ``--refined`` are also refined (`attnid.whole.align.
+   refine`: N steps on up to 2^17 training characters) and measured the same way, with their
+   wall and CPU time; ``--parts`` also refines the full group one part at a time (last pair).
+3. Prints per variant the mean and spread over the pairs of the mid-point barrier (loss at 0.5
+   less the mean end loss) and of its ratio to the naive one. Writes ``NAME.json`` (``--name``;
+   per pair: every curve, distance, time, and for the full group which part of the distance is
+   left per layer), the first pair's figure ``merge_<arch>.png`` ((a) the loss along the path
+   per variant, (b) each barrier's share of the naive one) and, with three seeds or more,
+   ``NAME_refined.png`` (the shares, mean and spread) into ``--out``.
 
-Aim: the full group's barrier at most a fifth of the naive one, and below every restricted
-variant's.
+Aims: the full group's barrier below every restricted variant's; refined, at most a tenth of
+the naive one (Llama) and below the matched full group (both), in at most one model's training
+time.
 """
 
 from __future__ import annotations
@@ -279,10 +284,10 @@ def main() -> None:
     torch.manual_seed(0)
     shown = Progress()
     args.out.mkdir(parents=True, exist_ok=True)
-    data = args.out / "held_out.txt"
-    data.write_text(validation_text())
-    calibration = args.out / "calibration.txt"  # training text: never the held-out part
-    calibration.write_text(corpus()[:2 * REFINE_TOKENS])
+    data, calibration = args.out / "held_out.txt", args.out / "calibration.txt"  # calibration: training text
+    for path, text in ((data, validation_text()), (calibration, corpus()[:2 * REFINE_TOKENS])):
+        if not path.exists() or path.read_text() != text:  # another run may be reading it
+            path.write_text(text)
     alphas = [k / (args.alphas - 1) for k in range(args.alphas)]
     results, summaries = {}, {}
     for arch in args.arch:
