@@ -1,33 +1,40 @@
 """Linear mode connectivity modulo symmetry: how much of the loss barrier between two models
-trained from different seeds each part of the symmetry group removes.
+trained from different seeds each part of the symmetry group removes, matched and refined.
 
     python benchmarks/merge.py [--arch llama gpt2] [--out runs/merge] [--alphas 11] [--steps N]
-                               [--tokens 32768]
+                               [--width D] [--seeds 0 1 2] [--tokens 32768] [--refine N [--parts]]
 
-1. Trains (once; reused when ``--out`` already holds them) two models per architecture from
-   seeds 0 and 1 on the bundled Shakespeare with attnid's own training loop and exports them
-   as Hugging Face checkpoints (``merge_train.train_model``): a Llama-style model (RMSNorm,
-   SwiGLU, RoPE, GQA, untied head) and a GPT-2-style one (LayerNorm, GELU, learned positions,
-   biases, tied head).
-2. For each pair and each variant of the group (`attnid.whole.align.SUBGROUPS`: none,
-   permutations, orthogonal, rotation, full), each matched on the weights and on activations
-   over training text (``--matching``), aligns B onto A and measures the loss along the
-   straight path ``(1 - alpha) A + alpha B`` on the held-out 10% of the corpus (the models never
-   trained on it), with A's own tokenizer, chunks of the training context.
-3. Prints per variant the mid-point barrier (loss at 0.5 less the mean end loss), its ratio to
-   the naive one and the aligned distance; and, for the full group, which part of the distance
-   is left per layer (the residual's share per tensor kind). Writes ``merge.json`` and one
-   figure per architecture (``merge_<arch>.png``: (a) the loss along the path per variant,
-   (b) each barrier's share of the naive one) into ``--out``.
+1. Trains (once; reused when ``--out`` already holds them) one model per seed and architecture
+   on the bundled Shakespeare with attnid's own training loop and exports them as Hugging Face
+   checkpoints (``merge_train.train_model``; ``--width`` and ``--steps`` shrink the recipe): a
+   Llama-style model (RMSNorm, SwiGLU, RoPE, GQA, untied head) and a GPT-2-style one
+   (LayerNorm, GELU, learned positions, biases, tied head).
+2. For every pair of seeds and each variant of the group (`attnid.whole.align.SUBGROUPS`:
+   none, permutations, orthogonal, rotation, full; ``--subgroups``), each matched on the weights
+   and on activations over training text (``--matching``), aligns B onto A and measures the
+   loss along the straight path ``(1 - alpha) A + alpha B`` on the held-out 10% of the corpus
+   (the models never trained on it), with A's own tokenizer, chunks of the training context.
+   With ``--refine N`` the variants in ``--refined`` are also refined (`attnid.whole.align.
+   refine`: N steps on up to 2^17 training characters) and measured the same way, with their
+   wall and CPU time; ``--parts`` also refines the full group one part at a time (last pair).
+3. Prints per variant the mean and spread over the pairs of the mid-point barrier (loss at 0.5
+   less the mean end loss) and of its ratio to the naive one. Writes ``NAME.json`` (``--name``;
+   per pair: every curve, distance, time, and for the full group which part of the distance is
+   left per layer), the first pair's figure ``merge_<arch>.png`` ((a) the loss along the path
+   per variant, (b) each barrier's share of the naive one) and, with three seeds or more,
+   ``NAME_refined.png`` (the shares, mean and spread) into ``--out``.
 
-Aim: the full group's barrier at most a fifth of the naive one, and below every restricted
-variant's.
+Aims: the full group's barrier below every restricted variant's; refined, at most a tenth of
+the naive one (Llama) and below the matched full group (both), in at most one model's training
+time.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -36,13 +43,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from attnid.checkpoint.align import CALIBRATION_TOKENS, load_tensors
+from attnid.checkpoint.align import CALIBRATION_TOKENS, REFINE_TOKENS, load_tensors
 from attnid.checkpoint.barrier import Evaluator, mid_barrier, path_losses
+from attnid.checkpoint.evaluate import load_causal_lm
 from attnid.checkpoint.load import open_checkpoint
 from attnid.checkpoint.tokens import read_chunks
 from attnid.checkpoint.units import open_units
 from attnid.progress import Progress
 from attnid.whole.align import SUBGROUPS, align
+from attnid.whole.align.refine import refinable_parts, refine
 from attnid.whole.transforms.state import ModelTensors
 
 
@@ -69,15 +78,23 @@ def leftover(A: ModelTensors, B: ModelTensors) -> dict[str, dict[str, float]]:
 
 
 def run_pair(arch: str, hf_a: Path, hf_b: Path, data: Path, calibration: Path, matchings: list[str],
-             alphas: list[float], tokens: int, context: int, shown: Progress) -> dict:
+             alphas: list[float], tokens: int, context: int, shown: Progress, *, refine_steps: int = 0,
+             refined: tuple[str, ...] = (), parts: bool = False, lr: float = 1e-2,
+             subgroups: tuple[str, ...] = SUBGROUPS) -> dict:
+    """Every variant's barrier for one pair; with ``refine_steps``, also each variant in
+    ``refined`` refined (`attnid.whole.align.refine`) on ``calibration`` (training text), and
+    with ``parts`` the full group refined one part at a time."""
     ck = open_checkpoint(hf_a)
     A, B = load_tensors(open_units(ck)), load_tensors(open_units(open_checkpoint(hf_b)))
     chunks = read_chunks(ck, data, context=context, max_tokens=tokens)
-    calib = read_chunks(ck, calibration, context=context, max_tokens=CALIBRATION_TOKENS).ids
+    fitted = read_chunks(ck, calibration, context=context, max_tokens=REFINE_TOKENS).ids  # refinement
+    calib = fitted[:CALIBRATION_TOKENS // context]  # matching on activations
     ev = Evaluator(ck)
+    lm = load_causal_lm(ck)
     result: dict = {"tokens": chunks.tokens, "context": context, "calibration_tokens": int(calib.numel()),
+                    "refine_tokens": int(fitted.numel()),
                     "variants": {}}
-    runs = [("none", "weights")] + [(g, m) for g in SUBGROUPS[1:] for m in matchings]
+    runs = [("none", "weights")] + [(g, m) for g in subgroups if g != "none" for m in matchings]
     for subgroup, matching in runs:
         name = subgroup if subgroup == "none" else f"{subgroup} ({matching})"
         t0 = time.perf_counter()
@@ -95,6 +112,24 @@ def run_pair(arch: str, hf_a: Path, hf_b: Path, data: Path, calibration: Path, m
             result[f"full_leftover ({matching})"] = leftover(A, al.model)
         shown.line(f"{arch} {name}: barrier {result['variants'][name]['barrier']:.4f}, distance "
                    f"{al.raw_distance:.2f} -> {al.aligned_distance:.2f} ({seconds:.1f} s)")
+        if refine_steps and subgroup in refined:
+            todo = [(None, f"{name} + refined")]
+            if parts and subgroup == "full":
+                todo += [((p,), f"{name} + refined {p} only") for p in
+                         refinable_parts(al.model, subgroup, al.stream_permutation is not None)]
+            for only, label in todo:
+                wall, cpu = time.perf_counter(), time.process_time()
+                r = refine(A, al.model, lm, fitted, refine_steps, subgroup=subgroup, parts=only, lr=lr,
+                           permuted_stream=al.stream_permutation is not None, progress=shown)
+                wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+                losses = path_losses(ev, A, r.model, chunks, alphas, shown, f"{arch} {label}")
+                result["variants"][label] = {
+                    "barrier": mid_barrier(alphas, losses), "losses": losses, "refined": r.to_dict(),
+                    "refine_seconds": wall, "refine_cpu_seconds": cpu, "align_seconds": seconds,
+                    "aligned_distance": sum(float(((A.tensors[n] - t) ** 2).sum()) for n, t in
+                                            r.model.tensors.items() if t.is_floating_point()) ** 0.5}
+                shown.line(f"{arch} {label}: barrier {result['variants'][label]['barrier']:.4f} "
+                           f"({wall:.0f} s wall, {cpu:.0f} s CPU)")
     naive = result["variants"]["none"]["barrier"]
     for v in result["variants"].values():
         v["ratio_to_naive"] = v["barrier"] / naive if naive > 0 else None
@@ -102,7 +137,8 @@ def run_pair(arch: str, hf_a: Path, hf_b: Path, data: Path, calibration: Path, m
 
 
 def title(arch: str, r: dict) -> str:
-    return (f"{arch}-style ({r['params'] / 1e6:.2f} M parameters), seeds 0 and 1 (held-out loss "
+    return (f"{arch}-style ({r['params'] / 1e6:.2f} M parameters), seeds {r['seeds'][0]} and "
+            f"{r['seeds'][1]} (held-out loss "
             f"{r['val_loss'][0]:.3f} / {r['val_loss'][1]:.3f}): barrier per alignment")
 
 
@@ -163,55 +199,132 @@ def figure(alphas: list[float], r: dict, path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def summary(pairs: dict[str, dict]) -> dict[str, dict[str, float]]:
+    """Per variant over the pairs: mean and spread (sample standard deviation) of the barrier
+    and of its share of the pair's naive barrier, and the range of the share."""
+    out: dict[str, dict[str, float]] = {}
+    names = [n for n in next(iter(pairs.values()))["variants"]]
+    for n in names:
+        bs = [r["variants"][n]["barrier"] for r in pairs.values() if n in r["variants"]]
+        rs = [r["variants"][n]["barrier"] / r["variants"]["none"]["barrier"] for r in pairs.values()
+              if n in r["variants"]]
+        out[n] = {"pairs": len(bs), "barrier_mean": statistics.fmean(bs),
+                  "barrier_sd": statistics.stdev(bs) if len(bs) > 1 else 0.0,
+                  "ratio_mean": statistics.fmean(rs),
+                  "ratio_sd": statistics.stdev(rs) if len(rs) > 1 else 0.0,
+                  "ratio_min": min(rs), "ratio_max": max(rs)}
+    return out
+
+
+def summary_figure(summaries: dict[str, dict[str, dict[str, float]]], path: Path, title: str) -> None:
+    """Per architecture, each variant's barrier as a share of the naive one (mean over the seed
+    pairs, the spread as an error bar), matched only (plain) and refined (hatched)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(summaries), figsize=(5.5 * len(summaries), 4.2), squeeze=False)
+    for ax, (arch, s) in zip(axes[0], summaries.items(), strict=True):
+        names = [n for n in s if n != "none" and " only" not in n]
+        ys = [s[n]["ratio_mean"] for n in names]
+        err = [s[n]["ratio_sd"] for n in names]
+        colours = ["tab:red" if "refined" in n else "tab:blue" for n in names]
+        bars = ax.bar(range(len(names)), ys, yerr=err, capsize=3, color=colours, edgecolor="black",
+                      hatch=None)
+        ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=2)
+        ax.axhline(1.0, color="black", lw=1, label="naive")
+        ax.axhline(0.1, color="grey", ls=":", lw=1.5, label="aim: a tenth of naive")
+        ax.set_xticks(range(len(names)), [n.replace(" (weights)", "").replace(" + refined", "\n+ refined")
+                                          for n in names], fontsize=7)
+        ax.set_ylabel("mid-point barrier / naive barrier")
+        ax.set_ylim(0, 1.3)
+        ax.set_title(f"{arch}-style: naive {s['none']['barrier_mean']:.3f} +- {s['none']['barrier_sd']:.3f} "
+                     f"nats ({s['none']['pairs']} seed pairs)", fontsize=9)
+        ax.legend(fontsize=7, loc="upper right")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", nargs="+", default=["llama", "gpt2"], choices=["llama", "gpt2"])
     ap.add_argument("--out", type=Path, default=Path("runs/merge"))
     ap.add_argument("--alphas", type=int, default=11)
     ap.add_argument("--steps", type=int, default=None, help="override the training steps (a quick run)")
+    ap.add_argument("--width", type=int, default=None, help="override d_model (heads of 32): smaller models")
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1],
+                    help="one model per seed; every pair of them is measured")
     ap.add_argument("--tokens", type=int, default=32768, help="held-out characters the loss is measured on")
     ap.add_argument("--matching", nargs="+", default=["weights", "activations"],
                     choices=["weights", "activations"],
                     help="match the stream, heads and neurons on the weights, on activations over "
                          f"{CALIBRATION_TOKENS} training characters, or both (each variant run per matching)")
+    ap.add_argument("--subgroups", nargs="+", default=list(SUBGROUPS), choices=list(SUBGROUPS))
+    ap.add_argument("--refine", type=int, default=0, help="refinement steps (0: none)")
+    ap.add_argument("--refine-lr", type=float, default=1e-2)
+    ap.add_argument("--refined", nargs="+", default=["full"], choices=["orthogonal", "rotation", "full"],
+                    help="the variants refined")
+    ap.add_argument("--name", default="merge", help="the outputs: NAME.json, NAME_refined.png")
+    ap.add_argument("--parts", action="store_true",
+                    help="on the last pair, also refine the full group one part at a time")
+    ap.add_argument("--figure-from", nargs="+", type=Path, default=None, metavar="JSON",
+                    help="only draw the summary figure of these runs' JSON (one per architecture) into --out")
     args = ap.parse_args()
+    if args.figure_from:
+        merged = {a: s for f in args.figure_from for a, s in json.loads(f.read_text())["summary"].items()}
+        summary_figure(merged, args.out / f"{args.name}_refined.png", "barrier left per alignment, matched "
+                       "and refined (mean and spread over seed pairs)")
+        return
     from attnid.train.data import corpus
     from merge_train import CONTEXT, train_model, validation_text
 
     torch.manual_seed(0)
     shown = Progress()
     args.out.mkdir(parents=True, exist_ok=True)
-    data = args.out / "held_out.txt"
-    data.write_text(validation_text())
-    calibration = args.out / "calibration.txt"  # training text: never the held-out part
-    calibration.write_text(corpus()[:2 * CALIBRATION_TOKENS])
+    data, calibration = args.out / "held_out.txt", args.out / "calibration.txt"  # calibration: training text
+    for path, text in ((data, validation_text()), (calibration, corpus()[:2 * REFINE_TOKENS])):
+        if not path.exists() or path.read_text() != text:  # another run may be reading it
+            path.write_text(text)
     alphas = [k / (args.alphas - 1) for k in range(args.alphas)]
-    results = {}
+    results, summaries = {}, {}
     for arch in args.arch:
-        a, b = (train_model(arch, s, args.out / f"{arch}-{s}", steps=args.steps) for s in (0, 1))
-        shown.line(f"{arch}: validation loss {a.val_loss:.3f} (seed 0), {b.val_loss:.3f} (seed 1); "
-                   f"{a.params / 1e6:.2f} M parameters")
-        r = run_pair(arch, a.hf, b.hf, data, calibration, args.matching, alphas, args.tokens, CONTEXT, shown)
-        r |= {"params": a.params, "steps": a.steps, "val_loss": [a.val_loss, b.val_loss],
-              "train_seconds": [a.seconds, b.seconds]}
-        results[arch] = r
-        figure(alphas, r, args.out / f"merge_{arch}.png", title(arch, r))
-    (args.out / "merge.json").write_text(json.dumps({"alphas": alphas, "results": results}, indent=2))
-    for arch, r in results.items():
-        print(f"\n{arch}-style ({r['params'] / 1e6:.2f} M parameters, {r['steps']} steps, held-out loss "
-              f"{r['val_loss'][0]:.3f} / {r['val_loss'][1]:.3f}, {r['tokens']} tokens)")
-        print(f"{'variant':>26} {'barrier':>9} {'/ naive':>8} {'distance':>9}  stream")
-        for g, v in r["variants"].items():
-            ratio = "n/a" if v["ratio_to_naive"] is None else f"{v['ratio_to_naive']:.3f}"
-            print(f"{g:>26} {v['barrier']:9.4f} {ratio:>8} {v['aligned_distance']:9.2f}  {v['stream']}")
-        for key in (k for k in r if k.startswith("full_leftover")):
-            print(f"full group {key[len('full_leftover '):]}: what is left (squared distance per layer, "
-                  "share per tensor kind):")
-            for where, row in r[key].items():
-                total = sum(row.values())
-                parts = ", ".join(f"{k} {v / total:.2f}" for k, v in sorted(row.items(), key=lambda x: -x[1]))
-                print(f"  {where}: {total:.2f} ({parts})")
-    print(f"\nwritten {args.out / 'merge.json'} and the figures merge_<arch>.png")
+        models = {s: train_model(arch, s, args.out / f"{arch}-{s}", steps=args.steps, width=args.width)
+                  for s in args.seeds}
+        pairs: dict[str, dict] = {}
+        results[arch] = pairs
+        combinations = list(itertools.combinations(args.seeds, 2))
+        for k, (sa, sb) in enumerate(combinations):
+            a, b = models[sa], models[sb]
+            shown.line(f"{arch}: validation loss {a.val_loss:.3f} (seed {sa}), {b.val_loss:.3f} (seed {sb}); "
+                       f"{a.params / 1e6:.2f} M parameters")
+            r = run_pair(arch, a.hf, b.hf, data, calibration, args.matching, alphas, args.tokens, CONTEXT,
+                         shown, refine_steps=args.refine, refined=tuple(args.refined),
+                         parts=args.parts and k == len(combinations) - 1, lr=args.refine_lr,
+                         subgroups=tuple(args.subgroups))
+            r |= {"params": a.params, "steps": a.steps, "seeds": [sa, sb],
+                  "val_loss": [a.val_loss, b.val_loss],
+                  "train_seconds": [a.seconds, b.seconds],
+                  "train_cpu_seconds": [a.cpu_seconds, b.cpu_seconds]}
+            pairs[f"{sa}-{sb}"] = r
+            if k == 0:
+                figure(alphas, r, args.out / f"merge_{arch}.png", title(arch, r))
+            summaries[arch] = summary(pairs)
+            (args.out / f"{args.name}.json").write_text(json.dumps(  # after every pair
+                {"alphas": alphas, "args": {k: str(v) for k, v in vars(args).items()}, "results": results,
+                 "summary": summaries}, indent=2))
+    if len(args.arch) and len(args.seeds) > 2:
+        summary_figure(summaries, args.out / f"{args.name}_refined.png",
+                       "barrier left per alignment, matched and refined (mean and spread over seed pairs)")
+    for arch, s in summaries.items():
+        print(f"\n{arch}-style: {len(results[arch])} seed pairs")
+        print(f"{'variant':>42} {'barrier':>15} {'/ naive':>15} {'range':>13}")
+        for n, v in s.items():
+            print(f"{n:>42} {v['barrier_mean']:7.4f} +- {v['barrier_sd']:.3f} {v['ratio_mean']:7.3f} +- "
+                  f"{v['ratio_sd']:.3f} {v['ratio_min']:.2f}-{v['ratio_max']:.2f}")
+    print(f"\nwritten {args.out / (args.name + '.json')} and the figures")
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ import argparse
 import json
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -102,14 +102,16 @@ def held_out_loss(logits: Callable[[torch.Tensor], torch.Tensor], context: int =
     return total / count
 
 
-def train_model(arch: str, seed: int, out: Path, *, steps: int | None = None,
+def train_model(arch: str, seed: int, out: Path, *, steps: int | None = None, width: int | None = None,
                 progress: bool = True) -> Trained:
-    """Train ``MODELS[arch]`` from ``seed`` (``steps`` overrides its step count) into ``out``
+    """Train ``MODELS[arch]`` from ``seed`` (``steps`` overrides its step count, ``width`` its
+    d_model: heads of 32 dims, the MLP's default width) into ``out``
     (``attnid train``'s files: config.json, metrics.jsonl, summary.json) and export it to
     ``out/hf``; return where it is and how well it does. ``out/trained.json`` records the
     result; a run already there with the same settings is reused, not retrained."""
     base = MODELS[arch]
-    cfg = TrainConfig(**{**asdict(base), "model": base.model, "seed": seed,
+    model = base.model if width is None else replace(base.model, d_model=width, n_heads=width // 32)
+    cfg = TrainConfig(**{**asdict(base), "model": model, "seed": seed,
                          "steps": steps or base.steps})
     out = Path(out)
     record = out / "trained.json"
@@ -147,11 +149,12 @@ def main() -> None:
     ap.add_argument("--arch", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     ap.add_argument("--steps", type=int, default=None, help="override every model's step count")
+    ap.add_argument("--width", type=int, default=None, help="override every model's d_model (heads of 32)")
     ap.add_argument("--out", type=Path, default=Path("runs/merge"))
     args = ap.parse_args()
     for arch in args.arch:
         for seed in args.seeds:
-            t = train_model(arch, seed, args.out / f"{arch}-{seed}", steps=args.steps)
+            t = train_model(arch, seed, args.out / f"{arch}-{seed}", steps=args.steps, width=args.width)
             print(f"{arch} seed {seed}: {t.params / 1e6:.2f} M parameters, {t.steps} steps in "
                   f"{t.seconds:.0f} s ({t.cpu_seconds:.0f} s of CPU), final train loss "
                   f"{t.final_loss:.3f}, validation loss {t.val_loss:.3f} -> {t.hf}", flush=True)

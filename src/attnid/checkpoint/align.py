@@ -44,6 +44,18 @@ from attnid.whole.fit.fitter import compute_dtype
 from attnid.whole.transforms.state import ModelTensors
 
 CALIBRATION_TOKENS = 8192  # at most this many calibration tokens are run through both models
+REFINE_TOKENS = 2**17  # at most this many a refinement fits on (fewer over-fit the mid-point)
+
+
+def calibration_ids(ck: Checkpoint, calibration: str | Path | None, refine: int | None
+                    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The calibration text's chunks (A's tokenizer), before any work: ``(the first
+    CALIBRATION_TOKENS for matching on activations, up to REFINE_TOKENS for a refinement)``."""
+    if calibration is None:
+        return None, None
+    ids = read_chunks(ck, calibration, option="--calibration",
+                      max_tokens=CALIBRATION_TOKENS if refine is None else REFINE_TOKENS).ids
+    return ids[:max(1, CALIBRATION_TOKENS // ids.shape[1])], ids if refine is not None else None
 
 
 def open_pair(model_a: str | Path, model_b: str | Path, purpose: str = "read"
@@ -168,26 +180,75 @@ def check_subgroup(subgroup: str) -> None:
         raise AttnidError(f"--subgroup {subgroup}: one of {', '.join(SUBGROUPS)}")
 
 
+def check_refine(refine: int | None, calibration: str | Path | None, subgroup: str,
+                 option: str = "--calibration") -> None:
+    """``--refine N`` needs N >= 1, calibration text and a subgroup with a continuous part."""
+    if refine is None:
+        return
+    if refine < 1:
+        raise AttnidError(f"--refine {refine}: at least one step")
+    if calibration is None:
+        raise AttnidError(f"--refine needs {option} FILE (the text the loss is lowered on)")
+    if subgroup in ("none", "permutations"):
+        raise AttnidError(f"--refine: subgroup {subgroup} has no continuous part to refine")
+
+
+def refined_files(a: Checkpoint, ua: Units, ub: Units, al: Alignment, written: Path, dst: Path,
+                  calibration: torch.Tensor, steps: int, progress: Progress
+                  ) -> tuple[Path, float | None, float | None, dict[str, Any]]:
+    """The aligned B in ``written`` refined for the barrier (`attnid.whole.align.refine`): the
+    refined B written into a fresh temporary sibling of ``dst`` and certified against B, and
+    ``written`` removed; ``(folder, worst residual, rounding level, the refinement's JSON)``.
+    When the refinement does not lower the calibration loss, ``written`` is kept as it is
+    (residual and level None: the caller's certificate stands)."""
+    from attnid.checkpoint.evaluate import load_causal_lm
+    from attnid.whole.align.refine import refine
+
+    uw = open_units(open_checkpoint(written, purpose="align"), untie=ub.untied is not None)
+    r = refine(load_tensors(ua), load_tensors(uw), load_causal_lm(a), calibration, steps,
+               subgroup=al.subgroup, permuted_stream=al.stream_permutation is not None, progress=progress)
+    if not r.kept:
+        return written, None, None, r.to_dict()
+    tmp = dst.parent / f".{dst.name}.{secrets.token_hex(4)}.tmp"
+    tmp.mkdir(parents=True)
+    try:
+        write_units(uw, lambda u: r.model, tmp)
+        copy_other_files(written, tmp, {f.path.name for f in uw.ck.files})
+        worst, tol = certify(ub, tmp, al.stream_permutation)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(written, ignore_errors=True)
+    return tmp, worst, tol, r.to_dict()
+
+
 def align_checkpoints(model_a: str | Path, model_b: str | Path, out_dir: str | Path, *,
                       subgroup: str = "full",
-                      calibration: str | Path | None = None, force: bool = False,
+                      calibration: str | Path | None = None, refine: int | None = None,
+                      force: bool = False,
                       end_to_end_max_bytes: int = 2 * 1024**3, progress: Progress | None = None
                       ) -> dict[str, Any]:
-    """Write B aligned onto A into ``out_dir``, certified; returns its JSON (see the module)."""
+    """Write B aligned onto A into ``out_dir``, certified; returns its JSON (see the module).
+    ``refine``: that many steps of `attnid.whole.align.refine` on the ``calibration`` text
+    after the matching (the output certified against B again)."""
     start = time.perf_counter()
     check_subgroup(subgroup)
+    check_refine(refine, calibration, subgroup)
     a, b, ua, ub = open_pair(model_a, model_b, purpose="align")
     apart(Path(out_dir).resolve(), a, "A")
     _, dst = check_out_dir(b.root, out_dir, force)
-    calib = None
-    if calibration is not None:  # A's tokenizer, before any work
-        calib = read_chunks(a, calibration, option="--calibration", max_tokens=CALIBRATION_TOKENS).ids
+    calib, fitted = calibration_ids(a, calibration, refine)
     shown = progress if progress is not None else Progress(enabled=False)
     acts = None
     if calib is not None:  # running both models on the tokens: the one step that holds them whole
         acts = activations(load_tensors(ua), load_tensors(ub), subgroup, calib, shown.line)
     al, written, worst, tol = aligned_files(ua, ub, dst, subgroup, acts, shown.line)
+    refined: dict[str, Any] | None = None
     try:
+        if refine is not None:
+            assert fitted is not None  # check_refine
+            written, w, t, refined = refined_files(a, ua, ub, al, written, dst, fitted, refine, shown)
+            worst, tol = (worst, tol) if w is None or t is None else (w, t)
         shown.line(f"certified against B: worst residual {worst:.2e} (rounding level {tol:.1e})")
         with staged(dst) as tmp:
             for item in written.iterdir():
@@ -199,7 +260,7 @@ def align_checkpoints(model_a: str | Path, model_b: str | Path, out_dir: str | P
             "architecture": a.adapter.family, "dtype": str(b.dtype()).split(".")[-1],
             "matching": "weights" if calib is None else "activations", **al.to_dict(),
             "certified": True, "max_residual": worst, "tolerance": tol, "untied": ub.untied,
-            "end_to_end_rel_diff": e2e, "seconds": time.perf_counter() - start}
+            "end_to_end_rel_diff": e2e, "refined": refined, "seconds": time.perf_counter() - start}
 
 
 def check_alpha(alpha: float) -> None:
@@ -222,27 +283,41 @@ def interpolate(A: ModelTensors, B: ModelTensors, alpha: float) -> ModelTensors:
 
 
 def merge_checkpoints(model_a: str | Path, model_b: str | Path, out_dir: str | Path, *, alpha: float = 0.5,
-                      aligned: bool = False, subgroup: str = "full", force: bool = False,
+                      aligned: bool = False, subgroup: str = "full", calibration: str | Path | None = None,
+                      refine: int | None = None, force: bool = False,
                       progress: Progress | None = None) -> dict[str, Any]:
-    """Write ``(1 - alpha) A + alpha B`` (B aligned onto A first when ``aligned``) into
+    """Write ``(1 - alpha) A + alpha B`` (B aligned onto A first when ``aligned``: matched on
+    activations over ``calibration`` when given, refined for ``refine`` steps on it) into
     ``out_dir`` in A's files and dtype; returns its JSON."""
     start = time.perf_counter()
     check_alpha(alpha)
     check_subgroup(subgroup)
+    if (calibration is not None or refine is not None) and not aligned:
+        raise AttnidError("--calibration and --refine act on the alignment: add --align")
+    check_refine(refine, calibration, subgroup)
     a, b, ua, ub = open_pair(model_a, model_b, purpose="merge")
     apart(Path(out_dir).resolve(), b, "B")
     _, dst = check_out_dir(a.root, out_dir, force)
+    calib, fitted = calibration_ids(a, calibration, refine)
     shown = progress if progress is not None else Progress(enabled=False)
     aligned_keys: dict[str, Any] = {}
     written = None
     try:
         if aligned:
-            al, written, worst, _ = aligned_files(ua, ub, dst, subgroup, progress=shown.line)
+            acts = None if calib is None else activations(load_tensors(ua), load_tensors(ub), subgroup, calib,
+                                                          shown.line)
+            al, written, worst, _ = aligned_files(ua, ub, dst, subgroup, acts, progress=shown.line)
+            refined = None
+            if refine is not None:
+                assert fitted is not None  # check_refine
+                written, w, _, refined = refined_files(a, ua, ub, al, written, dst, fitted, refine, shown)
+                worst = worst if w is None else w
             ub = open_units(open_checkpoint(written, purpose="merge"), untie=ub.untied is not None)
             aligned_keys = {"max_residual": worst, "subgroup": subgroup,
                             "group": subgroup,  # deprecated alias key (one release)
                             "stream": al.stream, "raw_distance": al.raw_distance,
-                            "aligned_distance": al.aligned_distance}
+                            "aligned_distance": al.aligned_distance,
+                            "matching": "weights" if calib is None else "activations", "refined": refined}
         cd = compute_dtype(ua.dtype())
 
         def mixed(u: int) -> ModelTensors:

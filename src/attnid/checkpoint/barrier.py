@@ -71,41 +71,72 @@ def check_alphas(n: int) -> list[float]:
 
 def barrier(model_a: str | Path, model_b: str | Path, data: str | Path, *, aligned: bool = False,
             subgroup: str = "full", alphas: int = 11, context: int | None = None, max_tokens: int = 65536,
+            refine: int | None = None, refine_calibration: str | Path | None = None,
             progress: Progress | None = None) -> dict[str, Any]:
-    """The losses along the path (naive; and aligned with ``aligned``) and their barriers."""
-    from attnid.checkpoint.align import aligned_files, check_subgroup, load_tensors, open_pair
-    from attnid.checkpoint.load import open_checkpoint
-    from attnid.checkpoint.units import open_units
+    """The losses along the path (naive; and aligned with ``aligned``; and refined for
+    ``refine`` steps on the ``refine_calibration`` text) and their barriers."""
+    from attnid.checkpoint.align import (
+        REFINE_TOKENS,
+        aligned_files,
+        check_refine,
+        check_subgroup,
+        load_tensors,
+        open_pair,
+        refined_files,
+    )
 
     start = time.perf_counter()
     ts = check_alphas(alphas)
     check_subgroup(subgroup)
+    if refine is not None and not aligned:
+        raise AttnidError("--refine acts on the alignment: add --align")
+    check_refine(refine, refine_calibration, subgroup, "--refine-calibration")
     a, b, ua, ub = open_pair(model_a, model_b, purpose="barrier")
     check_causal(a)
     chunks = read_chunks(a, data, context=context, max_tokens=max_tokens, option="--calibration")
+    calib = None if refine_calibration is None else read_chunks(
+        a, refine_calibration, context=context, max_tokens=REFINE_TOKENS,
+        option="--refine-calibration").ids
     shown = progress if progress is not None else Progress(enabled=False)
     A, B = load_tensors(ua, torch.float32), load_tensors(ub, torch.float32)  # what the evaluator runs
     ev = Evaluator(a)
     curves = {"naive": path_losses(ev, A, B, chunks, ts, shown, "naive")}
     distances = {"naive": None}
+    refined = None
     if aligned:
-        al, written, _, _ = aligned_files(ua, ub, b.root.parent / f"{b.root.name}-aligned", subgroup,
+        dst = b.root.parent / f"{b.root.name}-aligned"
+        al, written, _, _ = aligned_files(ua, ub, dst, subgroup,
                                           progress=shown.line)  # streamed, certified: still B's function
+        moved = {}
         try:
-            uw = open_units(open_checkpoint(written, purpose="barrier"), untie=ub.untied is not None)
-            aligned_b = load_tensors(uw, torch.float32)
+            moved["aligned"] = _tensors(written, ub.untied is not None)
+            if refine is not None:
+                assert calib is not None  # check_refine
+                written, _, _, refined = refined_files(a, ua, ub, al, written, dst, calib, refine, shown)
+                moved["refined"] = _tensors(written, ub.untied is not None)
         finally:
             shutil.rmtree(written, ignore_errors=True)
-        curves["aligned"] = path_losses(ev, A, aligned_b, chunks, ts, shown, "aligned")
-        end, want = curves["aligned"][-1], curves["naive"][-1]
-        if abs(end - want) > END_LOSS_RTOL * abs(want):  # the aligned B is B: the same loss
-            raise AttnidError(f"refused: aligned B's loss {end:.6f} is not B's {want:.6f}")
+        for name, m in moved.items():
+            curves[name] = path_losses(ev, A, m, chunks, ts, shown, name)
+            end, want = curves[name][-1], curves["naive"][-1]
+            if abs(end - want) > END_LOSS_RTOL * abs(want):  # the aligned B is B: the same loss
+                raise AttnidError(f"refused: {name} B's loss {end:.6f} is not B's {want:.6f}")
         distances = {"raw": al.raw_distance, "aligned": al.aligned_distance}
     return {"model_a": str(a.path), "model_b": str(b.path), "data": str(data), "tokens": chunks.tokens,
             "context": int(chunks.ids.shape[1]), "alphas": ts, "subgroup": subgroup if aligned else None,
             "group": subgroup if aligned else None,  # deprecated alias key (one release)
             "losses": curves, "barriers": {k: mid_barrier(ts, v) for k, v in curves.items()},
-            "distances": distances if aligned else None, "seconds": time.perf_counter() - start}
+            "distances": distances if aligned else None, "refined": refined,
+            "seconds": time.perf_counter() - start}
+
+
+def _tensors(folder: Path, untie: bool) -> ModelTensors:
+    """A written checkpoint's tensors in float32 (what the evaluator runs)."""
+    from attnid.checkpoint.align import load_tensors
+    from attnid.checkpoint.load import open_checkpoint
+    from attnid.checkpoint.units import open_units
+
+    return load_tensors(open_units(open_checkpoint(folder, purpose="barrier"), untie=untie), torch.float32)
 
 
 def plot_path(alphas: list[float], curves: dict[str, list[float]], path: str | Path, title: str = "") -> None:

@@ -16,6 +16,10 @@ SubgroupOpt = Annotated[str, typer.Option(
                        "orthogonal (and per-kv-group orthogonal Q/K, V/O maps), rotation (the stream "
                        "rotated), full.")]
 Force = Annotated[bool, typer.Option("--force", help="Replace a non-empty OUT_DIR.")]
+RefineOpt = Annotated[int | None, typer.Option(
+    "--refine", help="After matching, N steps lowering the mid-point loss on the calibration text with "
+                     "the continuous part of the group (permutations kept; the output still B's "
+                     "function, certified).")]
 
 
 @app.command("align")
@@ -27,23 +31,28 @@ def align_cmd(
     subgroup: SubgroupOpt = "full",
     calibration: Annotated[str | None, typer.Option(
         "--calibration", help="Match heads, neurons and the stream on activations over this text file "
-                              "(tokenized with A's tokenizer) instead of on the weights.")] = None,
+                              "(tokenized with A's tokenizer) instead of on the weights; with "
+                              "--refine, also the text the refinement lowers the loss on.")] = None,
+    refine: RefineOpt = None,
     force: Force = False,
     json_out: Json = False,
 ) -> None:
-    """Write B moved by the symmetry-group element that brings its weights closest to A's:
-    the same function as B (certified by `attnid diff` against B, and end to end), in A's
+    """Write B moved by the symmetry-group element that brings its weights closest to A's
+    (with --refine, then moved within the group to lower the loss between A and B): the same
+    function as B (certified by `attnid diff` against B, and end to end), in A's
     coordinates. Reports the raw and aligned distances and the share of each part."""
     from attnid.checkpoint.align import align_checkpoints
     from attnid.errors import require_extras
 
     require_extras("hf", what="attnid align")
     r = align_checkpoints(model_a, model_b, out_dir, subgroup=subgroup, calibration=calibration,
-                          force=force, progress=sized_progress(model_a, model_b, above=2**26))
+                          refine=refine, force=force,
+                          progress=sized_progress(model_a, model_b, above=2**26, always=refine is not None))
     if json_out:
         emit_json(r)
         return
     _print_alignment(r)
+    _print_refined(r["refined"])
     e2e = r["end_to_end_rel_diff"]
     typer.echo(f"written {out_dir}: certified by attnid diff against B\n  every residual <= "
                f"{r['max_residual']:.2e} (rounding level {r['tolerance']:.1e}); end to end: "
@@ -66,6 +75,13 @@ def _print_alignment(r: dict) -> None:
     out.print("stream: " + r["stream"].replace("; ", "\n  "))
 
 
+def _print_refined(r: dict | None) -> None:
+    if r is not None:
+        typer.echo(f"refined {', '.join(r['parts'])} ({r['steps']} steps, {r['seconds']:.1f} s): calibration "
+                   f"loss at alpha {', '.join(f'{t:g}' for t in r['alphas'])} {r['loss_before']:.4f} -> "
+                   f"{r['loss_after']:.4f}" + ("" if r["kept"] else " (not lower: kept as matched)"))
+
+
 def _share(x: float) -> str:
     return f"{0.0 if abs(x) < 5e-4 else x:.3f}"  # no "-0.000"
 
@@ -78,6 +94,10 @@ def merge_cmd(
     alpha: Annotated[float, typer.Option("--alpha", help="Weight of B, in [0, 1].")] = 0.5,
     align: Annotated[bool, typer.Option("--align", help="Align B onto A first (attnid align).")] = False,
     subgroup: SubgroupOpt = "full",
+    calibration: Annotated[str | None, typer.Option(
+        "--calibration", help="With --align: match on activations over this text file (A's tokenizer), "
+                              "and refine on it with --refine.")] = None,
+    refine: RefineOpt = None,
     force: Force = False,
     json_out: Json = False,
 ) -> None:
@@ -87,10 +107,13 @@ def merge_cmd(
 
     require_extras("hf", what="attnid merge")
     r = merge_checkpoints(model_a, model_b, out_dir, alpha=alpha, aligned=align, subgroup=subgroup,
-                          force=force, progress=sized_progress(model_a, model_b, above=2**26))
+                          calibration=calibration, refine=refine, force=force,
+                          progress=sized_progress(model_a, model_b, above=2**26, always=refine is not None))
     if json_out:
         emit_json(r)
         return
+    if align:
+        _print_refined(r["refined"])
     how = (f"B aligned onto A (subgroup {r['subgroup']}: distance {r['raw_distance']:.4g} -> "
            f"{r['aligned_distance']:.4g})" if align else "B as stored (no alignment)")
     typer.echo(f"written {out_dir}: (1 - {alpha:g}) A + {alpha:g} B, {how}")
@@ -104,6 +127,10 @@ def barrier_cmd(
         "--calibration", help="Text file the loss is measured on (A's tokenizer).")],
     align: Annotated[bool, typer.Option("--align", help="Also the path to B aligned onto A.")] = False,
     subgroup: SubgroupOpt = "full",
+    refine: RefineOpt = None,
+    refine_calibration: Annotated[str | None, typer.Option(
+        "--refine-calibration", help="With --refine: the text the refinement lowers the loss on (not "
+                                     "the measured text, or the barrier is measured in sample).")] = None,
     alphas: Annotated[int, typer.Option("--alphas", help="Points along the path, ends included.")] = 11,
     context: Annotated[int | None, typer.Option(
         "--context", help="Tokens per chunk (default: the model's context, at most 256).")] = None,
@@ -131,8 +158,8 @@ def barrier_cmd(
     if max_tokens < 2:
         raise AttnidError(f"--max-tokens {max_tokens}: at least one chunk of 2 tokens")
     r = barrier(model_a, model_b, calibration, aligned=align, subgroup=subgroup, alphas=alphas,
-                context=context, max_tokens=max_tokens,
-                progress=sized_progress(model_a, model_b, above=2**26))
+                context=context, max_tokens=max_tokens, refine=refine, refine_calibration=refine_calibration,
+                progress=sized_progress(model_a, model_b, above=2**26, always=refine is not None))
     if plot:
         plot_path(r["alphas"], r["losses"], plot, f"{Path(r['model_a']).name} -> {Path(r['model_b']).name}")
     if json_out:

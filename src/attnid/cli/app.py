@@ -112,9 +112,10 @@ def print_count_dict(d: dict, title: str) -> None:
     print_count(Count(spec, {k: Component(**v) for k, v in d["components"].items()}), title)
 
 
-def sized_progress(*models: str, above: int) -> Progress:
+def sized_progress(*models: str, above: int, always: bool = False) -> Progress:
     """A `Progress` shown when the models' safetensors files hold more than ``above`` bytes (a
-    small model finishes before a bar would say anything). ``models`` as the commands take them:
+    small model finishes before a bar would say anything), or ``always`` (work that takes long
+    at any size: a refinement's steps). ``models`` as the commands take them:
     a directory, its ``config.json`` or a ``.safetensors`` file, or a cached hub id."""
     from attnid.adapters.config import model_path
     from attnid.progress import Progress
@@ -124,7 +125,7 @@ def sized_progress(*models: str, above: int) -> Progress:
         p = model_path(m)
         d = p if p.is_dir() else p.parent
         size += sum(f.stat().st_size for f in d.glob("*.safetensors")) if d.is_dir() else 0
-    return Progress(enabled=size > above)
+    return Progress(enabled=always or size > above)
 
 
 def narrow_table(title: str, columns: list[str]) -> Any:

@@ -1,0 +1,223 @@
+"""Refine an alignment for the barrier (docs/theory.md §13.24): with B already aligned onto A
+(the permutations matched, `attnid.whole.align.aligner`), choose the continuous part of one
+more group element ``g`` to lower the loss of ``(1 - alpha) A + alpha g(B)`` on calibration
+tokens, by gradient steps on parameters that keep every iterate in the group:
+
+* ``rotation``: the residual stream ``x -> x Q``, ``Q = (I - S)^{-1} (I + S)`` (Cayley) of a
+  skew ``S`` (under LayerNorm ``S = P S0 P`` with ``P`` the centring projector, so ``Q 1 = 1``);
+* ``qk``: per key/value group ``M = exp(X)``, ``X`` projected onto the RoPE commutant (an
+  algebra: its exponential stays in it and is invertible); skew first for the orthogonal
+  variants;
+* ``vo``: per key/value group ``C = exp(X)`` (skew ``X`` for the orthogonal variants);
+* ``mlp``: per-neuron scales ``exp(x)`` (positive: ReLU's too);
+* ``norms``: each absorbable norm's gain per coordinate, ``exp(x)``.
+
+At zero every parameter is the identity. ``g`` is applied by `apply_element`, the group's own
+function-preserving transforms, so ``g(B)`` computes B's function for every value of the
+parameters; the loss runs through the Hugging Face model of A's class by
+`torch.func.functional_call`. The refined element is kept only when it lowers the loss over
+all the calibration tokens; else B stays as aligned.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from attnid.errors import AttnidError
+from attnid.progress import Progress
+from attnid.rope import project_commutant
+from attnid.whole.transforms.element import GroupElement, LayerElement, apply_element
+from attnid.whole.transforms.norms import foldable
+from attnid.whole.transforms.residual import rotation_refusal
+from attnid.whole.transforms.state import ModelTensors
+
+REFINABLE = ("rotation", "qk", "vo", "mlp", "norms")  # the continuous parts, in apply order
+BATCH = 16  # calibration chunks per step
+
+
+@dataclass(frozen=True)
+class Refined:
+    """B moved by the refined element (float64), the element, and how the refinement went."""
+
+    model: ModelTensors
+    element: GroupElement
+    parts: tuple[str, ...]
+    steps: int
+    alphas: tuple[float, ...]
+    loss_before: float  # the objective over every calibration token, B as aligned
+    loss_after: float  # the same with the refined element (kept only when lower)
+    kept: bool
+    seconds: float
+    trace: list[float] = field(default_factory=list)  # the objective of each step's batch
+
+    def to_dict(self) -> dict:
+        return {"parts": list(self.parts), "steps": self.steps, "alphas": list(self.alphas),
+                "loss_before": self.loss_before, "loss_after": self.loss_after, "kept": self.kept,
+                "seconds": self.seconds}
+
+
+def refinable_parts(B: ModelTensors, subgroup: str, permuted_stream: bool) -> tuple[str, ...]:
+    """The continuous parts of ``subgroup`` that act on B (the stream rotates only where a
+    rotation is a symmetry and the alignment rotated it)."""
+    if subgroup in ("none", "permutations"):
+        return ()
+    lay = B.layout
+    parts = []
+    final = lay.final if lay.final is not None and f"{lay.final.path}.weight" in B else None
+    if (subgroup in ("rotation", "full") and not permuted_stream
+            and rotation_refusal(lay, None if final is None else B.gain(final)) is None):
+        parts.append("rotation")
+    if any(B.spec(i).qk_norm == "none" for i in range(len(lay.layers))):
+        parts.append("qk")
+    parts.append("vo")
+    if subgroup == "full":
+        if lay.mlp != "other":
+            parts.append("mlp")
+        if _norms(B):
+            parts.append("norms")
+    return tuple(parts)
+
+
+def _norms(B: ModelTensors) -> list[str]:
+    return [nm.path for nm in B.layout.norms if foldable(nm) and f"{nm.path}.weight" in B]
+
+
+def _skew(X: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (X - X.transpose(-1, -2))
+
+
+def cayley(S: torch.Tensor) -> torch.Tensor:
+    """``(I - S)^{-1} (I + S)``: orthogonal for skew ``S`` (``I - S`` is then invertible)."""
+    eye = torch.eye(S.shape[-1], dtype=S.dtype)
+    return torch.linalg.solve(eye - S, eye + S)
+
+
+class Parameters(nn.Module):
+    """The refinement's free parameters (all zero: the identity) and the element they give."""
+
+    def __init__(self, B: ModelTensors, parts: Sequence[str], gl: bool) -> None:
+        super().__init__()
+        lay = B.layout
+        self.parts, self.gl, self.layer_norm = tuple(parts), gl, lay.norm == "layer"
+        self.specs = [B.spec(i) for i in range(len(lay.layers))]
+        z = torch.float64
+        d = B.tensors[f"{lay.tables[0]}.weight"].shape[-1]
+        self.rotation = nn.Parameter(torch.zeros(d, d, dtype=z)) if "rotation" in parts else None
+        self.qk = nn.ParameterList(
+            [nn.Parameter(torch.zeros(s.n_kv_heads, s.head_dim, s.head_dim, dtype=z))
+             for s in self.specs if s.qk_norm == "none"] if "qk" in parts else [])
+        self.vo = nn.ParameterList(
+            [nn.Parameter(torch.zeros(s.n_kv_heads, s.v_head_dim, s.v_head_dim, dtype=z))
+             for s in self.specs] if "vo" in parts else [])
+        self.mlp = nn.ParameterList(
+            [nn.Parameter(torch.zeros(B.weight(lay.mlps[i][1]).shape[1], dtype=z))
+             for i in range(len(self.specs))] if "mlp" in parts else [])
+        paths = _norms(B) if "norms" in parts else []
+        self.norm_paths = paths
+        self.norms = nn.ParameterList([nn.Parameter(torch.zeros(d, dtype=z)) for _ in paths])
+
+    def element(self) -> GroupElement:
+        Q = None
+        if self.rotation is not None:
+            S = _skew(self.rotation)
+            if self.layer_norm:  # Q 1 = 1: S 1 = 0
+                S = S - S.mean(0, keepdim=True) - S.mean(1, keepdim=True) + S.mean()
+            Q = cayley(S)
+        layers = []
+        qk = iter(self.qk)
+        for i, s in enumerate(self.specs):
+            M = None
+            if len(self.qk) and s.qk_norm == "none":
+                X = next(qk)
+                M = torch.linalg.matrix_exp(project_commutant(X if self.gl else _skew(X), s))
+            C = None
+            if len(self.vo):
+                C = torch.linalg.matrix_exp(self.vo[i] if self.gl else _skew(self.vo[i]))
+            c = torch.exp(self.mlp[i]) if len(self.mlp) else None
+            layers.append(LayerElement(qk=M, vo=C, mlp=c))
+        gains = {p: torch.exp(x) for p, x in zip(self.norm_paths, self.norms, strict=True)}
+        return GroupElement(rotation=Q, gains=gains, layers=tuple(layers))
+
+
+class PathLoss:
+    """The mean next-token loss of ``(1 - alpha) A + alpha B`` over ``alphas``, differentiable
+    in B's tensors, through ``model`` (A's Hugging Face class, float32)."""
+
+    def __init__(self, model: nn.Module, A: ModelTensors, alphas: Sequence[float]) -> None:
+        lay = A.layout
+        tied = f"{lay.unembed.path}.weight" if lay.tied and lay.unembed is not None else None
+        self.names = [n for n, t in A.tensors.items() if t.is_floating_point() and n != tied]
+        self.model, self.A, self.alphas = model.eval().requires_grad_(False), A, tuple(alphas)
+        self.dtype = next(model.parameters()).dtype
+
+    def __call__(self, B: ModelTensors, ids: torch.Tensor) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float64)
+        for t in self.alphas:
+            params = {n: ((1 - t) * self.A.tensors[n] + t * B.tensors[n]).to(self.dtype) for n in self.names}
+            logits = torch.func.functional_call(self.model, params, (), {"input_ids": ids}).logits
+            total = total + nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]).double(), ids[:, 1:].reshape(-1))
+        return total / len(self.alphas)
+
+    def full(self, B: ModelTensors, ids: torch.Tensor, batch: int = BATCH) -> float:
+        """The objective over every chunk of ``ids`` (no gradient), weighted by chunk."""
+        with torch.no_grad():
+            parts = [float(self(B, ids[i:i + batch])) * len(ids[i:i + batch])
+                     for i in range(0, len(ids), batch)]
+        return sum(parts) / len(ids)
+
+
+def refine(A: ModelTensors, B: ModelTensors, model: nn.Module, calibration: torch.Tensor, steps: int, *,
+           subgroup: str = "full", permuted_stream: bool = False, parts: Sequence[str] | None = None,
+           alphas: Sequence[float] = (0.5,), lr: float = 1e-2, batch: int = BATCH, seed: int = 0,
+           progress: Progress | None = None) -> Refined:
+    """``steps`` Adam steps on the continuous part of ``subgroup`` (or only ``parts``) acting on
+    the aligned ``B`` (float64), lowering the mean loss of the path at ``alphas`` on
+    ``calibration`` (token ids ``[n, T]``, ``batch`` chunks a step); see the module."""
+    start = time.perf_counter()
+    if steps < 1:
+        raise AttnidError(f"--refine {steps}: at least one step")
+    allowed = refinable_parts(B, subgroup, permuted_stream)
+    chosen = allowed if parts is None else tuple(p for p in REFINABLE if p in parts)
+    if parts is not None and (bad := sorted(set(parts) - set(allowed))):
+        raise AttnidError(f"cannot refine {', '.join(bad)} within subgroup {subgroup} (refinable: "
+                          f"{', '.join(allowed) or 'nothing'})")
+    if not chosen:
+        raise AttnidError(f"--refine: subgroup {subgroup} has no continuous part to refine")
+    theta = Parameters(B, chosen, gl=subgroup == "full")
+    loss = PathLoss(model, A, alphas)
+    before = loss.full(B, calibration, batch)
+    opt = torch.optim.Adam(theta.parameters(), lr=lr)
+    order = torch.randperm(len(calibration), generator=torch.Generator().manual_seed(seed))
+    shown = progress if progress is not None else Progress(enabled=False)
+    bar = shown.steps(steps, "refine")
+    trace = []
+    with warnings.catch_warnings():  # the group's checks read numbers off tensors with gradients
+        warnings.filterwarnings("ignore", "Converting a tensor with requires_grad", UserWarning)
+        try:
+            for k in range(steps):
+                pick = order[(torch.arange(batch) + k * batch) % len(order)]
+                opt.zero_grad()
+                value = loss(apply_element(B, theta.element()), calibration[pick])
+                value.backward()
+                opt.step()
+                trace.append(float(value))
+                bar(k + 1, trace[-1])
+        finally:
+            bar.close()  # type: ignore[attr-defined]
+    with torch.no_grad():
+        g = theta.element()
+        moved = apply_element(B, g)
+    after = loss.full(moved, calibration, batch)
+    kept = after < before
+    shown.line(f"refined {', '.join(chosen)} in {steps} steps: calibration loss at alpha "
+               f"{', '.join(f'{t:g}' for t in alphas)} {before:.4f} -> {after:.4f}"
+               + ("" if kept else " (not lower: B kept as aligned)"))
+    return Refined(moved if kept else B, g if kept else GroupElement(), chosen, steps, tuple(alphas), before,
+                   after, kept, time.perf_counter() - start, trace)
