@@ -1,9 +1,9 @@
 """Quantization-ready gauges (issue 27): the perplexity of each rewrite after round-to-nearest
 weight quantization, on held-out text the calibration never saw, against llm-compressor.
 
-    python benchmarks/quantize.py --model smollm2=/work/models/smollm2 \
-        --model llama=/work/models/llama-bench/hf --calibration calib.txt --heldout heldout.txt \
-        [--peer /work/models/peer] [--out runs/quantize] [--schemes w4 w4:64 w3:64]
+    python benchmarks/quantize.py --model smollm2=models/smollm2 \
+        --model llama=models/llama-bench/hf --calibration calib.txt --heldout heldout.txt \
+        [--peer models/peer] [--out runs/quantize] [--schemes w4 w4:64 w3:64]
         [--max-tokens 4096] [--figure benchmarks/quantize.png]
 
 For each model and each row, the rewrite is made with the CLI (``attnid rewrite IN OUT ...``,

@@ -4,10 +4,10 @@ Hugging Face checkpoint, written back as plain float checkpoints that `attnid ev
 llm-compressor pins transformers to 5.17 or lower, so it runs in a venv of its own, beside the
 same CPU torch (2.13) as attnid's::
 
-    python3.11 -m venv /work/venvs/llmc
-    /work/venvs/llmc/bin/pip install torch==2.13.0      # the CPU build
-    /work/venvs/llmc/bin/pip install "llmcompressor==0.14.*"
-    /work/venvs/llmc/bin/python benchmarks/quantize_peer.py MODEL OUT --calibration calib.txt
+    python3.11 -m venv .venv-llmc
+    .venv-llmc/bin/pip install torch==2.13.0      # the CPU build
+    .venv-llmc/bin/pip install "llmcompressor==0.14.*"
+    .venv-llmc/bin/python benchmarks/quantize_peer.py MODEL OUT --calibration calib.txt
 
 It writes, each a directory of OUT with config.json, model.safetensors, the tokenizer and
 peer.json (method, scheme, seconds, the tool's version):
