@@ -255,6 +255,8 @@ def main() -> None:
     ap.add_argument("--alphas", type=int, default=11)
     ap.add_argument("--steps", type=int, default=None, help="override the training steps (a quick run)")
     ap.add_argument("--width", type=int, default=None, help="override d_model (heads of 32): smaller models")
+    ap.add_argument("--positions", default="rope", choices=["rope", "learned", "none"],
+                    help="the Llama-style model's positional encoding (learned / none: no RoPE)")
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1],
                     help="one model per seed; every pair of them is measured")
     ap.add_argument("--tokens", type=int, default=32768, help="held-out characters the loss is measured on")
@@ -291,7 +293,8 @@ def main() -> None:
     alphas = [k / (args.alphas - 1) for k in range(args.alphas)]
     results, summaries = {}, {}
     for arch in args.arch:
-        models = {s: train_model(arch, s, args.out / f"{arch}-{s}", steps=args.steps, width=args.width)
+        models = {s: train_model(arch, s, args.out / f"{arch}-{s}", steps=args.steps, width=args.width,
+                                     positions=args.positions)
                   for s in args.seeds}
         pairs: dict[str, dict] = {}
         results[arch] = pairs

@@ -103,14 +103,19 @@ def held_out_loss(logits: Callable[[torch.Tensor], torch.Tensor], context: int =
 
 
 def train_model(arch: str, seed: int, out: Path, *, steps: int | None = None, width: int | None = None,
-                progress: bool = True) -> Trained:
+                positions: str = "rope", progress: bool = True) -> Trained:
     """Train ``MODELS[arch]`` from ``seed`` (``steps`` overrides its step count, ``width`` its
-    d_model: heads of 32 dims, the MLP's default width) into ``out``
+    d_model: heads of 32 dims, the MLP's default width; ``positions`` ``learned`` or ``none``
+    takes a Llama-style model's RoPE away, exported as ``PositionsLlamaForCausalLM``) into ``out``
     (``attnid train``'s files: config.json, metrics.jsonl, summary.json) and export it to
     ``out/hf``; return where it is and how well it does. ``out/trained.json`` records the
     result; a run already there with the same settings is reused, not retrained."""
     base = MODELS[arch]
     model = base.model if width is None else replace(base.model, d_model=width, n_heads=width // 32)
+    if positions != "rope":
+        if arch != "llama":
+            raise SystemExit(f"--positions {positions} is for the Llama-style model")
+        model = replace(model, rope=0.0, positions=positions)
     cfg = TrainConfig(**{**asdict(base), "model": model, "seed": seed,
                          "steps": steps or base.steps})
     out = Path(out)

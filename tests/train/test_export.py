@@ -28,6 +28,9 @@ CASES = {
     "llama-mha-tied-biased": GPTConfig(**{**SMALL, **ARCHS["llama"], "tie_weights": True,
                                           "attn_bias": "qkvo", "mlp_bias": True, "d_ff": 40}),
     "llama-mqa-theta": GPTConfig(**SMALL, **{**ARCHS["llama"], "rope_base": 500.0}, n_kv_heads=1),
+    "llama-learned-positions": GPTConfig(**SMALL, **{**ARCHS["llama"], "rope": 0.0}, n_kv_heads=2),
+    "llama-no-positions-tied": GPTConfig(**SMALL, **{**ARCHS["llama"], "rope": 0.0, "tie_weights": True},
+                                         positions="none"),
     "gpt2-tied": GPTConfig(**SMALL, **ARCHS["gpt2"]),
     "gpt2-untied": GPTConfig(**SMALL, **{**ARCHS["gpt2"], "tie_weights": False, "d_ff": 48}),
 }
@@ -70,17 +73,44 @@ def test_hugging_face_class_computes_the_model(case, tmp_path):
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["architectures"] == [done.architecture] and config["tie_word_embeddings"] == cfg.tie_weights
     hf = _hf(tmp_path / "hf")
-    assert type(hf).__name__ == ("LlamaForCausalLM" if case.startswith("llama") else "GPT2LMHeadModel")
+    assert type(hf).__name__ == done.architecture == (
+        "GPT2LMHeadModel" if case.startswith("gpt2") else
+        "PositionsLlamaForCausalLM" if "positions" in case else "LlamaForCausalLM")
     ids = torch.randint(0, cfg.vocab_size, (3, cfg.block_size), generator=torch.Generator().manual_seed(1))
     want = _logits(model.double(), ids, hf=False)
     err = relative_error(_logits(hf, ids, hf=True), want)
     assert err < 1e-10, f"{case}: HF's logits differ from attnid's by {err:.2e} (relative, float64)"
     n_ours = sum(p.numel() for p in model.parameters())
     assert sum(p.numel() for p in hf.parameters()) == n_ours, "HF holds other parameters"
-    if case.startswith("llama"):  # the RoPE base is part of what is checked
+    if case.startswith("llama") and cfg.rope:  # the RoPE base is part of what is checked
         wrong = relative_error(_logits(_hf(tmp_path / "hf", rope_parameters={
             "rope_type": "default", "rope_theta": 2 * cfg.rope_base}), ids, hf=True), want)
         assert wrong > 1e-3, f"{case}: another rope_theta agrees too ({wrong:.2e})"
+
+
+@pytest.mark.parametrize("positions", ["learned", "none"])
+def test_llama_without_rope_positions_are_what_they_say(positions, tmp_path):
+    """Learned: the exported table is read (changing it changes the logits); none: no table,
+    and in one layer a token's output depends on the earlier tokens as a set (causal NoPE still
+    sees how many there are; from the second layer on, their order through each other)."""
+    cfg = GPTConfig(**{**SMALL, "n_layers": 1}, **{**ARCHS["llama"], "rope": 0.0}, positions=positions)
+    model = _trained_looking(cfg)
+    export_hf(model, tmp_path / "hf", CHARS)
+    hf = _hf(tmp_path / "hf")
+    table = hf.model.embed_positions
+    assert (table is None) == (positions == "none")
+    ids = torch.randint(0, cfg.vocab_size, (1, 8), generator=torch.Generator().manual_seed(2))
+    swapped = ids[:, [1, 0, *range(2, 8)]]  # the first two tokens in the other order
+    last = relative_error(_logits(hf, swapped, hf=True)[:, -1], _logits(hf, ids, hf=True)[:, -1])
+    if positions == "none":
+        assert last < 1e-12, f"NoPE: the last token sees the order of the first two ({last:.2e})"
+        return
+    assert last > 1e-3, f"learned positions: the order of the first two is not seen ({last:.2e})"
+    want = _logits(hf, ids, hf=True)
+    with torch.no_grad():
+        table.weight[3] += 1.0
+    moved = relative_error(_logits(hf, ids, hf=True), want)
+    assert moved > 1e-3, f"changing a position row changes nothing ({moved:.2e})"
 
 
 def test_tokenizer_encodes_the_whole_corpus_to_attnids_ids(tmp_path):
@@ -120,6 +150,7 @@ def test_checkpoint_tools_read_the_export(case, tmp_path, capsys):
     (dict(**{**ARCHS["llama"], "rope": 0.5}), "rope=0.5"),
     (dict(**{**ARCHS["llama"], "attn_bias": "qk"}), "attention biases 'qk' as Llama"),
     (dict(**ARCHS["gpt2"], n_kv_heads=2), "GQA"),
+    (dict(**{**ARCHS["gpt2"], "positions": "none"}), "without positions"),
     (dict(**{**ARCHS["gpt2"], "rope": 1.0}), "RoPE"),
     (dict(**{**ARCHS["gpt2"], "mlp_bias": False}), "without MLP biases"),
     (dict(ARCHS["nanogpt"]), "biases 'qk' as GPT-2"),

@@ -89,7 +89,8 @@ GELU = {"gpt2-untied", "neox-parallel", "neox-half-rotary-no-bias", "falcon-para
         "falcon-new-decoder", "bert", "roberta"}
 REFUSED = {  # (family, rewrite) -> words of the refusal
     **{(f, r): "post-LN" for f in POST_LN for r in ("rotate-random", "rotate-hadamard")},
-    **{("llama-tied", r): "not uniform" for r in ("rotate-random", "rotate-hadamard")},
+    **{(f, r): "not uniform" for f in ("llama-tied", "llama-no-positions-tied")
+       for r in ("rotate-random", "rotate-hadamard")},
     ("qwen3-qk-norm", "qk-planes"): "QK-norm",
     **{(f, "scale-mlp"): "homogeneous" for f in GELU},
 }

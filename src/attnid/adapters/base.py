@@ -375,6 +375,7 @@ def hf_config(c: Config) -> Any:
 
     if not c.get("model_type"):
         raise AttnidError(f"{source_of(c)} has no 'model_type'; transformers cannot build it")
+    own_classes(c)
     fields = {k: v for k, v in c.items() if k != "model_type"}
     try:
         return AutoConfig.for_model(c["model_type"], **{**fields, **_tokens_outside_vocab(c)})
@@ -427,12 +428,24 @@ def hf_model_class(c: Config, *, head: bool = True) -> Any:
     """
     import transformers
 
+    own = own_classes(c)
     if head:
         for arch in c.get("architectures") or []:
-            cls = getattr(transformers, arch, None)
+            cls = own.get(arch, getattr(transformers, arch, None))
             if isinstance(cls, type):
                 return cls
     return transformers.AutoModel
+
+
+def own_classes(c: Config) -> dict[str, type]:
+    """The transformers classes attnid itself defines for a config's ``model_type`` (registered
+    with the Auto classes on first use): `attnid.adapters.positions_llama` for Llama without
+    RoPE; empty for every other model type."""
+    if c.get("model_type") != "attnid_llama":
+        return {}
+    from attnid.adapters.positions_llama import CLASSES
+
+    return CLASSES
 
 
 def new_hf_model(c: Config, *, head: bool = True, eager: bool = False) -> nn.Module:

@@ -31,6 +31,9 @@ def train_cmd(
         "--bias", help="Override: attention biases (subset of qkvo, or none).")] = None,
     rope: Annotated[float | None, typer.Option(
         "--rope", help="Override: fraction of each head's dims that RoPE rotates.")] = None,
+    positions: Annotated[Literal["learned", "none"], typer.Option(
+        "--positions", help="Without RoPE (--rope 0): learned absolute positions, or none (NoPE); "
+        "a Llama-style model is then exported as attnid's PositionsLlamaForCausalLM.")] = "learned",
     qk_norm: QKNormOpt = "none",
     norm: Annotated[Literal["layernorm", "rmsnorm"] | None, typer.Option(
         "--norm", help="Override: the residual-stream norm.")] = None,
@@ -74,7 +77,7 @@ def train_cmd(
                                        block_size=seq_len, attn_bias=bias, rope=rope, norm=norm, mlp=mlp,
                                        d_ff=d_ff, tie_weights=tie).items() if v is not None}
     model = GPTConfig(**{**PRESETS[scale], **ARCHS[arch], **overrides}, n_kv_heads=n_kv_heads,
-                      qk_norm=qk_norm)
+                      qk_norm=qk_norm, positions=positions)
     model.attention_spec()  # validate before any work
     cfg = TrainConfig(model=model, optimizer=optimizer, lr=lr, weight_decay=weight_decay,
                       steps=steps, batch_size=batch_size, seed=seed, log_every=log_every,

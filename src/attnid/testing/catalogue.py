@@ -67,6 +67,11 @@ WHOLE_CASES = {
     "gemma-tied": _rms("gemma", "GemmaForCausalLM", head_dim=4),
     "gemma-untied": _rms("gemma", "GemmaForCausalLM", head_dim=4, tie_word_embeddings=False),
     "phi3": _rms("phi3", "Phi3ForCausalLM"),
+    # Llama without RoPE (attnid's own class): learned positions (a second table), or none
+    "llama-learned-positions": _rms("attnid_llama", "PositionsLlamaForCausalLM", tie_word_embeddings=False,
+                                    position_embedding="learned", max_position_embeddings=6),
+    "llama-no-positions-tied": _rms("attnid_llama", "PositionsLlamaForCausalLM", tie_word_embeddings=True,
+                                    position_embedding="none"),
     # LayerNorm with biases, learned positions, GELU / ReLU
     "gpt2-tied": dict(_GPT2, tie_word_embeddings=True),
     "gpt2-untied": dict(_GPT2, tie_word_embeddings=False),
@@ -100,6 +105,7 @@ WHOLE_CASES = {
 
 LLAMA = dict(WHOLE_CASES["llama-untied"], num_hidden_layers=2, rms_norm_eps=1e-6)
 GEMMA = WHOLE_CASES["gemma-untied"]
+LEARNED = dict(WHOLE_CASES["llama-learned-positions"], num_hidden_layers=2)
 FALCON = dict(WHOLE_CASES["falcon-parallel-bias-untied"], num_hidden_layers=2)
 GPT2 = WHOLE_CASES["gpt2-2layers"]  # tied
 GPT2_UNTIED = dict(GPT2, tie_word_embeddings=False)
@@ -129,6 +135,8 @@ TRANSFORM_FAMILIES: dict[str, dict[str, Any]] = {
     "bert": dict(WHOLE_CASES["bert-mlm-tied"], num_hidden_layers=2),
     "roberta": WHOLE_CASES["roberta-mlm-tied"],
     "llama-tied": WHOLE_CASES["llama-tied"],
+    "llama-learned-positions": dict(WHOLE_CASES["llama-learned-positions"], num_hidden_layers=2, **GQA),
+    "llama-no-positions-tied": WHOLE_CASES["llama-no-positions-tied"],
 }
 
 
@@ -165,6 +173,9 @@ TRANSFORM_CASES: dict[str, tuple[dict[str, Any], Callable[[nn.Module], nn.Module
     "llama-rotation": (LLAMA, lambda m: T.residual_rotation(m, random_rotation(8, 3, False))),
     "llama-gated-mlp-scaling": (LLAMA, lambda m: T.mlp_scaling(m, 0, positive(6, 4))),
     "llama-logit-shift": (LLAMA, lambda m: T.logit_shift(m, randn64(8, seed=5))),
+    # Llama with learned positions (attnid's class): the position table rotates with the stream
+    "llama-learned-positions-rotation": (LEARNED, lambda m: T.residual_rotation(
+        m, random_rotation(8, 60, False))),
     # Falcon: one norm shared by attention and MLP, parallel residual, biases, untied
     "falcon-shared-norm-gain": (FALCON, lambda m: T.norm_gain_transfer(
         m, "transformer.h.1.input_layernorm", positive(8, 36))),

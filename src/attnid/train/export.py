@@ -1,10 +1,13 @@
 """Export attnid's small GPT (`attnid.train.model`) as a Hugging Face checkpoint.
 
-Two styles have a transformers class that computes exactly the same function:
+Three styles have a transformers class that computes exactly the same function:
 
 - **Llama** (``LlamaForCausalLM``): RMSNorm, SwiGLU, RoPE on every head dim (``rope=1``,
   ``rotate_half`` pairing and ``rope_theta`` as `attnid.rope`), GQA, attention biases on
   all of q, k, v, o or none, tied or untied head;
+- **Llama without RoPE** (``PositionsLlamaForCausalLM``, attnid's own class,
+  `attnid.adapters.positions_llama`: loads wherever attnid is imported): the same with
+  ``rope=0``, positions learned (``model.embed_positions``) or none;
 - **GPT-2** (``GPT2LMHeadModel``): LayerNorm, exact GELU (``activation_function="gelu"``),
   learned positions, biases on q, k, v, o and the MLP, no GQA, tied or untied head.
 
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,30 +33,31 @@ from attnid.numerics import TOLERANCE, relative_error
 from attnid.train.model import GPT, GPTConfig
 from attnid.weights import AttentionWeights
 
-Style = Literal["llama", "gpt2"]
-ARCHITECTURE: dict[Style, str] = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel"}
+Style = Literal["llama", "attnid_llama", "gpt2"]
+ARCHITECTURE: dict[Style, str] = {"llama": "LlamaForCausalLM", "attnid_llama": "PositionsLlamaForCausalLM",
+                                  "gpt2": "GPT2LMHeadModel"}
 
 
 def hf_style(cfg: GPTConfig) -> Style:
-    """The Hugging Face class that can hold ``cfg`` (``"llama"`` or ``"gpt2"``), or a refusal
-    naming what no such class represents."""
+    """The Hugging Face class that can hold ``cfg`` (``"llama"``, ``"attnid_llama"`` or
+    ``"gpt2"``), or a refusal naming what no such class represents."""
     bias = cfg.attention_spec().bias
     if cfg.qk_norm != "none":
         raise AttnidError("cannot export a model with QK-norm: neither LlamaForCausalLM nor "
                           "GPT2LMHeadModel normalises queries and keys")
     if cfg.norm == "rmsnorm" and cfg.mlp == "swiglu":
-        if cfg.rope != 1.0:
+        if cfg.rope not in (0.0, 1.0):
             raise AttnidError(f"cannot export a Llama-style model with rope={cfg.rope:g}: "
-                              "LlamaForCausalLM rotates every head dim (rope=1) and has no "
-                              "learned positions")
+                              "LlamaForCausalLM rotates every head dim (rope=1), "
+                              "PositionsLlamaForCausalLM none (rope=0)")
         if bias not in (frozenset(), frozenset("qkvo")):
             raise AttnidError(f"cannot export attention biases {cfg.attn_bias!r} as Llama: its "
                               "attention_bias puts biases on all of q, k, v, o or none")
-        return "llama"
+        return "llama" if cfg.rope == 1.0 else "attnid_llama"
     if cfg.norm == "layernorm" and cfg.mlp == "gelu":
-        if cfg.rope != 0.0:
-            raise AttnidError("cannot export a GPT-2-style model with RoPE: GPT2LMHeadModel "
-                              "has learned positions")
+        if cfg.rope != 0.0 or cfg.positions != "learned":
+            raise AttnidError("cannot export a GPT-2-style model with RoPE or without positions: "
+                              "GPT2LMHeadModel has a learned table")
         if cfg.n_kv_heads not in (None, cfg.n_heads):
             raise AttnidError("cannot export GQA (n_kv_heads < n_heads) as GPT-2: it has one "
                               "key/value head per query head")
@@ -73,6 +77,10 @@ def hf_config(cfg: GPTConfig) -> dict[str, Any]:
     common = dict(architectures=[ARCHITECTURE[style]], model_type=style, vocab_size=cfg.vocab_size,
                   tie_word_embeddings=cfg.tie_weights, bos_token_id=None, eos_token_id=None,
                   pad_token_id=None, dtype="float32")
+    if style == "attnid_llama":
+        llama = dict(hf_config(replace(cfg, rope=1.0, positions="learned")),
+                     architectures=[ARCHITECTURE[style]], model_type=style, position_embedding=cfg.positions)
+        return {k: v for k, v in llama.items() if not k.startswith("rope_")}
     if style == "llama":
         return dict(common, hidden_size=cfg.d_model, intermediate_size=cfg.hidden,
                     num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
@@ -96,14 +104,16 @@ def hf_tensors(model: GPT) -> dict[str, torch.Tensor]:
     cfg = model.cfg
     style = hf_style(cfg)
     adapter = adapter_for(hf_config(cfg))
-    outer = "model." if style == "llama" else "transformer."
+    outer = "transformer." if style == "gpt2" else "model."
     out: dict[str, torch.Tensor] = {}
     for i, block in enumerate(model.blocks):
         attn = AttentionWeights.from_module(block.attn)
         out |= {outer + n: t for n, t in adapter.write(attn, i).items()}
         out |= {outer + n: t for n, t in _block(style, block, i).items()}
-    if style == "llama":
+    if style != "gpt2":
         out |= {"model.embed_tokens.weight": model.wte.weight, "model.norm.weight": model.ln_f.weight}
+        if model.wpe is not None:
+            out["model.embed_positions.weight"] = model.wpe.weight
     else:
         out |= {"transformer.wte.weight": model.wte.weight, "transformer.wpe.weight": model.wpe.weight,
                 "transformer.ln_f.weight": model.ln_f.weight, "transformer.ln_f.bias": model.ln_f.bias}
@@ -121,7 +131,7 @@ def _block(style: Style, block: torch.nn.Module, i: int) -> dict[str, torch.Tens
         return got
 
     mlp = block.mlp
-    if style == "llama":
+    if style != "gpt2":
         p = f"layers.{i}."
         return {f"{p}input_layernorm.weight": block.ln_1.weight,
                 f"{p}post_attention_layernorm.weight": block.ln_2.weight,

@@ -1,9 +1,9 @@
 """A small nanoGPT-like model built on `attnid.Attention`, so every attention variant is available.
 
 Pre-norm blocks; the norm is LayerNorm (GPT-2) or RMSNorm (Llama), the MLP GELU (GPT-2) or
-SwiGLU (Llama: ``down(silu(gate(x)) * up(x))``); positions are learned (``rope=0``) or rotary
-(`attnid.rope`, Hugging Face's ``rotate_half`` pairing). `attnid.train.export` writes the
-GPT-2-style and Llama-style ones as Hugging Face checkpoints.
+SwiGLU (Llama: ``down(silu(gate(x)) * up(x))``); positions are rotary (`attnid.rope`, Hugging
+Face's ``rotate_half`` pairing) or, with ``rope=0``, learned or none (``positions``).
+`attnid.train.export` writes the GPT-2-style and Llama-style ones as Hugging Face checkpoints.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from attnid.errors import AttnidError
 from attnid.spec import AttentionSpec
 
 NORMS = ("layernorm", "rmsnorm")
+POSITIONS = ("learned", "none")  # without RoPE: a learned table, or no positional encoding (NoPE)
 MLP_OUTPUT = {"gelu": "proj", "swiglu": "down"}  # each MLP's layer that writes the residual stream
 
 
@@ -42,8 +43,13 @@ class GPTConfig:
     d_ff: int | None = None  # MLP hidden width; None: 4 d (gelu), 8 d / 3 up to a multiple of 32 (swiglu)
     norm_eps: float = 1e-5
     rope_base: float = 10000.0  # RoPE theta (Hugging Face's rope_theta)
+    positions: str = "learned"  # with rope=0: learned absolute positions, or none (NoPE)
 
     def __post_init__(self) -> None:
+        if self.positions not in POSITIONS:
+            raise AttnidError(f"positions must be one of {', '.join(POSITIONS)}, got {self.positions!r}")
+        if self.positions == "none" and self.rope != 0:
+            raise AttnidError("positions='none' is for a model without RoPE (rope=0)")
         if self.norm not in NORMS:
             raise AttnidError(f"norm must be one of {', '.join(NORMS)}, got {self.norm!r}")
         if self.mlp not in MLP_OUTPUT:
@@ -123,7 +129,8 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.wpe = nn.Embedding(cfg.block_size, cfg.d_model) if cfg.rope == 0 else None
+        learned = cfg.rope == 0 and cfg.positions == "learned"
+        self.wpe = nn.Embedding(cfg.block_size, cfg.d_model) if learned else None
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.ln_f = make_norm(cfg)

@@ -13,6 +13,7 @@ from attnid.adapters.families import (
     gpt2,
     gpt_neox,
     llama,
+    llama_positions,
     olmo2,
     phi3,
     qwen2,
@@ -20,5 +21,6 @@ from attnid.adapters.families import (
 )
 
 __all__ = [
-    "bert", "deepseek", "falcon", "gemma", "gpt2", "gpt_neox", "llama", "olmo2", "phi3", "qwen2", "qwen3",
+    "bert", "deepseek", "falcon", "gemma", "gpt2", "gpt_neox", "llama", "llama_positions", "olmo2", "phi3",
+    "qwen2", "qwen3",
 ]
