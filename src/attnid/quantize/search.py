@@ -5,8 +5,9 @@ current element among them, so no step raises the objective.
 
 Parts (`PARTS`), in this order:
 
-* ``r1``: the residual rotation: none, Hadamard, and Hadamard times random signs (QuaRot's
-  randomised Hadamard), on the whole model's objective;
+* ``r1``: the residual rotation: none, Hadamard, Hadamard times random signs (QuaRot's
+  randomised Hadamard), and the better of those two refined by Cayley-Adam on a weight-
+  incoherence proxy (`attnid.quantize.incoherence`), on the whole model's objective;
 * ``norm``: each norm's gain against its readers' input columns, the AWQ-style family
   ``s = rms(x)^-alpha * colmax(W)^beta`` (``beta = 1`` is the closed-form optimum of the
   shared-range noise model: every column's largest weight equal);
@@ -31,6 +32,7 @@ from itertools import product
 import torch
 
 from attnid.errors import AttnidError
+from attnid.quantize.incoherence import refine_rotation
 from attnid.quantize.objective import (
     KINDS,
     LayerCalibration,
@@ -55,6 +57,8 @@ PARTS = ("r1", "norm", "vo", "qk", "mlp")
 ALPHAS = (0.0, 0.25, 0.5, 0.75, 1.0)
 BETAS = (0.0, 0.5, 1.0)
 SPREAD = 8.0  # the largest factor a diagonal balance moves a channel by
+R1_STEPS = 100  # Cayley-Adam steps refining the best Hadamard start (0: no refinement)
+R1_ROWS = 16384  # at most this many reader rows and writer columns score the proxy (seeded sample)
 
 
 def parse_parts(text: str | None) -> tuple[frozenset[str], bool]:
@@ -92,6 +96,7 @@ class Search:
     parts: frozenset[str]
     awq: bool = False
     seed: int = 0
+    r1_steps: int = R1_STEPS
     line: Callable[[str], None] = lambda _: None
     run: Callable[[int, int, str], None] = lambda i, n, name: None
     rotation: torch.Tensor | None = None
@@ -175,17 +180,41 @@ class Search:
         cands = [H, H * torch.where(torch.rand(d, generator=gen) < 0.5, -1.0, 1.0).double()[:, None]]
         best, best_terms = self.value(), self.terms
         keep = self.rotation
-        for j, Q in enumerate(cands):
+        names = ["Hadamard", "Hadamard x signs", "refined"]
+        start, start_v = 0, float("inf")  # the better Hadamard: where the refinement starts
+        for j in range(3 if self.r1_steps else 2):
+            Q = cands[j] if j < 2 else None
+            if Q is None:
+                Q, trace = refine_rotation(*self.residual_sides(gen), cands[start], steps=self.r1_steps)
+                self.line(f"  refining {names[start]}: incoherence proxy {trace[0]:.4f} -> {trace[-1]:.4f} "
+                          f"in {self.r1_steps} steps")
             self.rotation, self._rotated = Q, {}
             terms = []
             for i in range(self.L):
-                self.run(j * self.L + i + 1, len(cands) * self.L, f"rotation {j}, layer {i}")
+                self.run(j * self.L + i + 1, len(names) * self.L, f"rotation {names[j]}, layer {i}")
                 terms.append(self.eval(self.layer(i), i, KINDS))
             v = objective_value(terms)
-            self.line(f"  rotation {'Hadamard' if j == 0 else f'Hadamard x signs {j}'}: {v:.4f}")
+            self.line(f"  rotation {names[j]}: {v:.4f}")
+            if j < 2 and v < start_v:
+                start, start_v = j, v
             if v < best:
                 best, best_terms, keep = v, terms, Q
         self.rotation, self.terms, self._rotated = keep, best_terms, {}
+
+    def residual_sides(self, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(readers [n, d], writers [d, m])``: the rows of every map reading the residual stream
+        and the columns of every map writing it, over all layers (float32, the folded inputs; a
+        seeded sample of at most `R1_ROWS` of each)."""
+        readers, writers = [], []
+        for i in range(self.L):
+            m = self.base(i)
+            lay = m.layout
+            for nm in (_attn_norm(m, i), mlp_norm(lay, i)):
+                readers += [m.weight(r).float() for r in nm.readers if m.has(r)]
+            writers += [m.weight(w).float() for w in lay.writers[i] if m.has(w)]
+        R, W = torch.cat(readers), torch.cat(writers, 1)
+        pick = lambda n: torch.randperm(n, generator=gen)[:R1_ROWS]  # noqa: E731
+        return R[pick(R.shape[0])], W[:, pick(W.shape[1])]
 
     # ---- norms -----------------------------------------------------------------------------
     def search_norms(self) -> None:
