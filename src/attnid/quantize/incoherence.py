@@ -14,6 +14,8 @@ RTN included, is lower with it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 __all__ = ["cayley", "kurtosis", "refine_rotation"]
@@ -33,25 +35,29 @@ def kurtosis(rows: torch.Tensor) -> torch.Tensor:
 
 
 def refine_rotation(readers: torch.Tensor, writers: torch.Tensor, start: torch.Tensor, *, steps: int = 100,
-                    lr: float = 2e-3) -> tuple[torch.Tensor, list[float]]:
+                    lr: float = 2e-3, progress: Callable[[int, int], None] | None = None
+                    ) -> tuple[torch.Tensor, list[float]]:
     """``(Q, proxy per step)``: the rotation ``start @ cayley(A)`` after ``steps`` Adam steps on
     ``A`` lowering ``kurtosis(readers @ Q) + kurtosis((Q^T writers)^T)``.
 
     ``readers [n, d]``: rows of the maps reading the residual stream (``W -> W Q``: each row
     mixed along ``d``); ``writers [d, m]``: the maps writing it side by side (``W -> Q^T W``:
-    the rotation mixes their output rows, each quantized along its ``m`` inputs)."""
+    the rotation mixes their output rows, each quantized along its ``m`` inputs). ``progress``
+    is called with ``(step, steps)`` after each step."""
     dt = torch.float64
     R, W, Q0 = readers.to(dt), writers.to(dt), start.to(dt)
     A = torch.zeros_like(Q0, requires_grad=True)
     opt = torch.optim.Adam([A], lr=lr)
     trace: list[float] = []
-    for _ in range(steps):
+    for step in range(steps):
         Q = Q0 @ cayley(A)
         loss = kurtosis(R @ Q) + kurtosis(Q.T @ W)
         trace.append(float(loss.detach()))
         opt.zero_grad()
         loss.backward()
         opt.step()
+        if progress is not None:
+            progress(step + 1, steps)
     with torch.no_grad():
         Q = Q0 @ cayley(A)
         trace.append(float(kurtosis(R @ Q) + kurtosis(Q.T @ W)))

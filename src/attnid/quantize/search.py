@@ -58,7 +58,7 @@ ALPHAS = (0.0, 0.25, 0.5, 0.75, 1.0)
 BETAS = (0.0, 0.5, 1.0)
 SPREAD = 8.0  # the largest factor a diagonal balance moves a channel by
 R1_STEPS = 100  # Cayley-Adam steps refining the best Hadamard start (0: no refinement)
-R1_ROWS = 16384  # at most this many reader rows and writer columns score the proxy (seeded sample)
+R1_ROWS = 4096  # at most this many reader rows and writer columns score the proxy (seeded sample)
 
 
 def parse_parts(text: str | None) -> tuple[frozenset[str], bool]:
@@ -185,7 +185,8 @@ class Search:
         for j in range(3 if self.r1_steps else 2):
             Q = cands[j] if j < 2 else None
             if Q is None:
-                Q, trace = refine_rotation(*self.residual_sides(gen), cands[start], steps=self.r1_steps)
+                Q, trace = refine_rotation(*self.residual_sides(gen), cands[start], steps=self.r1_steps,
+                                           progress=lambda k, n: self.run(k, n, "refining R1"))
                 self.line(f"  refining {names[start]}: incoherence proxy {trace[0]:.4f} -> {trace[-1]:.4f} "
                           f"in {self.r1_steps} steps")
             self.rotation, self._rotated = Q, {}
