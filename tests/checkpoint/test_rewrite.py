@@ -178,3 +178,16 @@ def test_a_five_percent_change_in_half_precision_is_not_certified(dtype, tmp_pat
     d = json.loads(capsys.readouterr().out)
     assert code == 1 and not d["certified"], d
     assert d["break"]["layer"] == 1, d["break"]
+
+
+def test_float64_end_to_end_is_computed_in_float64(tmp_path, capsys):
+    """transformers computes RMSNorm and softmax in float32 even in a float64 model; the end-to-end
+    check of a float64 rewrite runs both models in float64 (`Float64Mode`), so a residual rotation
+    agrees to float64 rounding (in float32 statistics it measured 1.7e-10)."""
+    src = make(FAMILIES["llama-gqa"], tmp_path, "a", dtype=torch.float64)
+    capsys.readouterr()
+    assert main(["rewrite", str(src), str(tmp_path / "b"), "--fold-norms", "--rotate-residual", "random",
+                 "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["certified"] and r["end_to_end_rel_diff"] < 1e-13, \
+        f"float64 end to end {r['end_to_end_rel_diff']:.2e} (want float64 rounding)"

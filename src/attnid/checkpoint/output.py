@@ -75,17 +75,28 @@ def copy_other_files(src: Path, dst: Path, weights: set[str] | frozenset[str]) -
         shutil.copy2(item, target)
 
 
-def end_to_end(src: Path, out: Path, config: dict[str, Any]) -> float:
+def end_to_end(src: Path, out: Path, config: dict[str, Any], *, float64: bool = False) -> float:
     """Load both checkpoints with transformers, run probe tokens, return the relative difference
-    of their log-probabilities (bare models: hidden states)."""
+    of their log-probabilities (bare models: hidden states). ``float64``: a float64 checkpoint,
+    loaded and run in float64 throughout (`attnid.arbiter.precision.Float64Mode`: transformers
+    computes RMSNorm, softmax and its rotary table in float32 even in a float64 model, which
+    would hide the checkpoint's own precision)."""
     require("transformers", "hf")
+    import contextlib
+
     import transformers  # optional heavy dependency: loaded only here
+
+    from attnid.arbiter.precision import Float64Mode
+
+    mode = Float64Mode if float64 else contextlib.nullcontext
+    kw = {"dtype": torch.float64} if float64 else {}
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     loader = hf_model_class(config)  # the one resolver of an architecture to its class
     try:  # transformers reading the user's checkpoint: whatever it raises is its refusal
-        a, info = loader.from_pretrained(src, output_loading_info=True)
+        with mode():
+            a, info = loader.from_pretrained(src, output_loading_info=True, **kw)
     except Exception as e:
         raise AttnidError(f"{src / 'config.json'}: transformers cannot load this checkpoint "
                           f"({type(e).__name__}: {e}); nothing was written") from None
@@ -97,12 +108,13 @@ def end_to_end(src: Path, out: Path, config: dict[str, Any]) -> float:
                           + f" of {loader.__name__}; nothing was written")
     try:
         a = a.eval()
-        b = loader.from_pretrained(out).eval()
+        with mode():
+            b = loader.from_pretrained(out, **kw).eval()
     except Exception as e:
         raise AttnidError(f"refused: transformers could not load the rewritten checkpoint: {e}") from None
     vocab = int(config.get("vocab_size", 100))
     ids = torch.randint(0, min(vocab, 1000), (2, 12), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
+    with torch.no_grad(), mode():
         ya = a(input_ids=ids)
         yb = b(input_ids=ids)
     ta, tb = (_function(y) for y in (ya, yb))
@@ -124,7 +136,7 @@ def verify_end_to_end(ck: Any, out: Path, max_bytes: int, what: str = "rewritten
 
     if sum(f.path.stat().st_size for f in ck.files) > max_bytes:
         return None
-    e2e = end_to_end(ck.root, out, ck.config)
+    e2e = end_to_end(ck.root, out, ck.config, float64=ck.dtype() == torch.float64)
     if e2e > 10 * tolerance(ck.dtype()):
         raise AttnidError(f"refused: the {what} model's outputs differ by {e2e:.2e} (relative); "
                           "nothing was written")
