@@ -34,10 +34,9 @@ from typing import Any, Literal
 import torch
 
 from attnid.checkpoint.load import Checkpoint, open_checkpoint
-from attnid.checkpoint.output import check_out_dir, staged, untie_files, verify_end_to_end
+from attnid.checkpoint.output import check_out_dir, staged, untie_files, verify_end_to_end, write_units
 from attnid.checkpoint.units import Units, open_units
 from attnid.errors import AttnidError
-from attnid.io import DTYPES, write_streaming
 from attnid.progress import Progress
 
 Rotation = Literal["hadamard", "random"]
@@ -170,47 +169,19 @@ def write_certified(ck: Checkpoint, units: Units, recipe: Recipe, element, dst: 
 
 
 def _write(ck: Checkpoint, units: Units, recipe: Recipe, element, tmp: Path, progress: Progress) -> None:
-    """Every shard, its tensors in unit order; a unit is rewritten (float64) when its first
-    tensor is asked for and dropped once all its tensors are written."""
+    """Every shard through `attnid.checkpoint.output.write_units`: a unit is loaded (float64),
+    its norms folded when the recipe says so, the element applied, when its first tensor is
+    asked for, and dropped once all its tensors are written."""
     from attnid.whole.fit.fitter import compute_dtype
     from attnid.whole.transforms.element import apply_element
     from attnid.whole.transforms.norms import fold_norm_gains
 
-    out_of = {s: s if s == units.untied else c for s, c in units.to_ck.items()}  # the name written
-    src_of = {out_of[s]: c for s, c in units.to_ck.items()}  # written name -> the stored tensor read
-    unit_of = {out_of[s]: units.unit_of[s] for s in units.to_ck}
-    left = {u: sum(1 for c in unit_of if unit_of[c] == u) for u in range(units.count)}
-    cache: dict[int, dict[str, torch.Tensor]] = {}
-
     cd = compute_dtype(ck.dtype())  # float64; float32 is ample for bfloat16/float16 outputs
 
-    def compute(u: int) -> dict[str, torch.Tensor]:
-        before = units.load(u, cd)
-        m = fold_norm_gains(before) if recipe.fold_norms else before
-        m = apply_element(m, element)
-        own = set(units.names(u))
+    def compute(u: int):
+        m = units.load(u, cd)
+        m = apply_element(fold_norm_gains(m) if recipe.fold_norms else m, element)
         progress.line(f"rewrote unit {u} of {units.count - 1}")
-        return {out_of[n]: t for n, t in m.tensors.items() if n in own and t is not before.tensors[n]}
+        return m
 
-    def produce(name: str) -> torch.Tensor:
-        if name not in unit_of:
-            return ck.tensor(name)  # no unit reads it: its stored bytes
-        u = unit_of[name]
-        if u not in cache:
-            cache[u] = compute(u)
-        new = cache[u].pop(name, None)
-        left[u] -= 1
-        if left[u] == 0:
-            del cache[u]
-        if new is None:
-            return ck.tensor(src_of[name])
-        return new.to(DTYPES[ck.info(src_of[name]).dtype])
-
-    for f in ck.files:
-        names = list(f.names)
-        if units.untied and units.untied not in ck.index and ck.index[src_of[units.untied]] is f:
-            # the new head, beside its table
-            names.append(units.untied)
-        names.sort(key=lambda n: unit_of.get(n, -1))
-        entries = [(n, f.info(src_of.get(n, n)).dtype, f.info(src_of.get(n, n)).shape) for n in names]
-        write_streaming(tmp / f.path.name, entries, produce, f.metadata)
+    write_units(units, compute, tmp)
