@@ -19,7 +19,8 @@ SLOW = ["gemma-tied", "gemma-untied", "llama-tied", "llama-bare-model", "mistral
         "falcon-sequential-mha-untied", "falcon-parallel-bias-untied", "falcon-new-decoder",
         "gpt2-relu", "neox-sequential", "neox-tied-no-attn-bias", "bert-mlm-one-token-type",
         "bert-mlm-untied", "roberta-mlm-untied", "roberta-bare-model", "roberta-padding-idx-3",
-        "llama-gqa-2layers", "gpt2-2layers", "bert-2layers"]  # the default run keeps it short
+        "llama-gqa-2layers", "gpt2-2layers", "bert-2layers", "llama-learned-positions",
+        "llama-no-positions-tied"]  # the default run keeps it short
 
 
 def test_every_tiny_config_is_checked():
