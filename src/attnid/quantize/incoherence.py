@@ -18,14 +18,9 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["cayley", "kurtosis", "refine_rotation"]
+from attnid.whole.transforms.orthogonal import cayley, skew
 
-
-def cayley(A: torch.Tensor) -> torch.Tensor:
-    """The rotation ``(I - S)^{-1} (I + S)`` of the skew part ``S`` of ``A [d, d]``."""
-    S = 0.5 * (A - A.T)
-    eye = torch.eye(A.shape[0], dtype=A.dtype, device=A.device)
-    return torch.linalg.solve(eye - S, eye + S)
+__all__ = ["kurtosis", "refine_rotation"]
 
 
 def kurtosis(rows: torch.Tensor) -> torch.Tensor:
@@ -37,7 +32,7 @@ def kurtosis(rows: torch.Tensor) -> torch.Tensor:
 def refine_rotation(readers: torch.Tensor, writers: torch.Tensor, start: torch.Tensor, *, steps: int = 100,
                     lr: float = 2e-3, progress: Callable[[int, int], None] | None = None
                     ) -> tuple[torch.Tensor, list[float]]:
-    """``(Q, proxy per step)``: the rotation ``start @ cayley(A)`` after ``steps`` Adam steps on
+    """``(Q, proxy per step)``: the rotation ``start @ cayley(skew(A))`` after ``steps`` Adam steps on
     ``A`` lowering ``kurtosis(readers @ Q) + kurtosis((Q^T writers)^T)``.
 
     ``readers [n, d]``: rows of the maps reading the residual stream (``W -> W Q``: each row
@@ -50,7 +45,7 @@ def refine_rotation(readers: torch.Tensor, writers: torch.Tensor, start: torch.T
     opt = torch.optim.Adam([A], lr=lr)
     trace: list[float] = []
     for step in range(steps):
-        Q = Q0 @ cayley(A)
+        Q = Q0 @ cayley(skew(A))
         loss = kurtosis(R @ Q) + kurtosis(Q.T @ W)
         trace.append(float(loss.detach()))
         opt.zero_grad()
@@ -59,6 +54,6 @@ def refine_rotation(readers: torch.Tensor, writers: torch.Tensor, start: torch.T
         if progress is not None:
             progress(step + 1, steps)
     with torch.no_grad():
-        Q = Q0 @ cayley(A)
+        Q = Q0 @ cayley(skew(A))
         trace.append(float(kurtosis(R @ Q) + kurtosis(Q.T @ W)))
     return Q.detach(), trace

@@ -183,8 +183,9 @@ class Search:
         names = ["Hadamard", "Hadamard x signs", "refined"]
         start, start_v = 0, float("inf")  # the better Hadamard: where the refinement starts
         for j in range(3 if self.r1_steps else 2):
-            Q = cands[j] if j < 2 else None
-            if Q is None:
+            if j < 2:
+                Q = cands[j]
+            else:
                 Q, trace = refine_rotation(*self.residual_sides(gen), cands[start], steps=self.r1_steps,
                                            progress=lambda k, n: self.run(k, n, "refining R1"))
                 self.line(f"  refining {names[start]}: incoherence proxy {trace[0]:.4f} -> {trace[-1]:.4f} "

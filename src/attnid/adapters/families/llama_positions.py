@@ -7,7 +7,7 @@ from dataclasses import replace
 from torch import nn
 
 from attnid.adapters.base import Adapter, Config, cfg, cfg_int
-from attnid.adapters.layout import Layout, llama_layout
+from attnid.adapters.layout import Layout, base_prefix, llama_layout
 from attnid.adapters.registry import register
 from attnid.structure import Structure
 
@@ -33,4 +33,4 @@ class PositionsLlama(Adapter):
         lay = llama_layout(model)
         if not learned(model.config.to_dict()):
             return lay
-        return replace(lay, tables=(*lay.tables, lay.tables[0].replace("embed_tokens", "embed_positions")))
+        return replace(lay, tables=(*lay.tables, f"{base_prefix(model, 'model')}embed_positions"))

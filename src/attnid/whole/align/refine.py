@@ -34,6 +34,7 @@ from attnid.progress import Progress
 from attnid.rope import project_commutant
 from attnid.whole.transforms.element import GroupElement, LayerElement, apply_element
 from attnid.whole.transforms.norms import foldable
+from attnid.whole.transforms.orthogonal import cayley, skew
 from attnid.whole.transforms.residual import rotation_refusal
 from attnid.whole.transforms.state import ModelTensors
 
@@ -88,16 +89,6 @@ def _norms(B: ModelTensors) -> list[str]:
     return [nm.path for nm in B.layout.norms if foldable(nm) and f"{nm.path}.weight" in B]
 
 
-def _skew(X: torch.Tensor) -> torch.Tensor:
-    return 0.5 * (X - X.transpose(-1, -2))
-
-
-def cayley(S: torch.Tensor) -> torch.Tensor:
-    """``(I - S)^{-1} (I + S)``: orthogonal for skew ``S`` (``I - S`` is then invertible)."""
-    eye = torch.eye(S.shape[-1], dtype=S.dtype)
-    return torch.linalg.solve(eye - S, eye + S)
-
-
 class Parameters(nn.Module):
     """The refinement's free parameters (all zero: the identity) and the element they give."""
 
@@ -125,7 +116,7 @@ class Parameters(nn.Module):
     def element(self) -> GroupElement:
         Q = None
         if self.rotation is not None:
-            S = _skew(self.rotation)
+            S = skew(self.rotation)
             if self.layer_norm:  # Q 1 = 1: S 1 = 0
                 S = S - S.mean(0, keepdim=True) - S.mean(1, keepdim=True) + S.mean()
             Q = cayley(S)
@@ -135,10 +126,10 @@ class Parameters(nn.Module):
             M = None
             if len(self.qk) and s.qk_norm == "none":
                 X = next(qk)
-                M = torch.linalg.matrix_exp(project_commutant(X if self.gl else _skew(X), s))
+                M = torch.linalg.matrix_exp(project_commutant(X if self.gl else skew(X), s))
             C = None
             if len(self.vo):
-                C = torch.linalg.matrix_exp(self.vo[i] if self.gl else _skew(self.vo[i]))
+                C = torch.linalg.matrix_exp(self.vo[i] if self.gl else skew(self.vo[i]))
             c = torch.exp(self.mlp[i]) if len(self.mlp) else None
             layers.append(LayerElement(qk=M, vo=C, mlp=c))
         gains = {p: torch.exp(x) for p, x in zip(self.norm_paths, self.norms, strict=True)}

@@ -108,6 +108,18 @@ def kron_right(X: torch.Tensor, factors: list[torch.Tensor], scale: float = 1.0)
     return Y.reshape(X.shape)
 
 
+def skew(X: torch.Tensor) -> torch.Tensor:
+    """The skew part ``(X - X^T) / 2`` of ``X [..., n, n]``."""
+    return 0.5 * (X - X.transpose(-1, -2))
+
+
+def cayley(S: torch.Tensor) -> torch.Tensor:
+    """``(I - S)^{-1} (I + S)``: orthogonal for skew ``S [n, n]`` (``I - S`` is then invertible),
+    the identity at ``S = 0``."""
+    eye = torch.eye(S.shape[-1], dtype=S.dtype, device=S.device)
+    return torch.linalg.solve(eye - S, eye + S)
+
+
 def random_orthogonal(n: int, gen: torch.Generator) -> torch.Tensor:
     """A Haar-random orthogonal ``[n, n]`` (float64)."""
     A = torch.randn(n, n, generator=gen, dtype=torch.float64)
