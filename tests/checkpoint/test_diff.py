@@ -57,7 +57,7 @@ def test_value_bias_left_unrotated_is_caught(minilm, tmp_path, capsys, variant):
     """A VO rotation applied to W_V and W_O but not to b_V (real MiniLM, layer 3 only)."""
     def broken(i: int, w: AttentionWeights) -> AttentionWeights:
         g = random_gauge(w, seed=i)
-        right = apply_gauge(w, Gauge(S=g.S, C=g.C))
+        right = apply_gauge(w, Gauge(qk=g.qk, vo=g.vo))
         return right.replace(b_V=w.b_V) if i == 3 else right
 
     code, r, _ = _diff(capsys, minilm, variant(minilm, tmp_path / "bv", broken))
@@ -133,7 +133,7 @@ def test_head_rotation_through_an_output_gate_is_caught(minilm, change):
     else:
         C = torch.diag_embed(torch.exp(0.5 * torch.randn(s.n_kv_heads, s.v_head_dim, generator=gen,
                                                           dtype=torch.float64)))
-    b = apply_gauge(w, Gauge(C=C))
+    b = apply_gauge(w, Gauge(vo=C))
     change_at = {name: float((_gated(b, g, x) - _gated(w, g, x)).norm() / _gated(w, g, x).norm())
                  for name, g in (("init", init_gate), ("trained", trained_gate))}
     assert change_at["init"] < 1e-12, change_at  # looks fine on freshly initialised weights
@@ -153,7 +153,7 @@ def _llama_gl(i: int, w: AttentionWeights, commutant: bool) -> AttentionWeights:
     gen = torch.Generator().manual_seed(i)
     M = torch.eye(s.head_dim, dtype=torch.float64) + 0.3 * torch.randn(
         s.n_kv_heads, s.head_dim, s.head_dim, dtype=torch.float64, generator=gen)
-    return apply_gauge(w, Gauge(S=M)) if i == 1 else w
+    return apply_gauge(w, Gauge(qk=M)) if i == 1 else w
 
 
 @pytest.mark.parametrize("commutant", [True, False], ids=["commutant", "full-GL"])

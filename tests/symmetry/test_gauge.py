@@ -53,7 +53,7 @@ def test_assert_gauge_invariant_can_fail():
     # a general linear map of each head's q/k space: not in the commutant of RoPE
     S = torch.eye(4, dtype=torch.float64) + 0.5 * torch.randn(3, 4, 4, generator=gen, dtype=torch.float64)
     with pytest.raises(AssertionError, match="function changed: relative error"):
-        assert_gauge_invariant(layer, Gauge(S=S))
+        assert_gauge_invariant(layer, Gauge(qk=S))
     with pytest.raises(AssertionError, match="nothing is tested"):
         assert_gauge_invariant(layer, Gauge())
     # the same element through the weights container, and its measured error returned

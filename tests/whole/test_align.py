@@ -125,7 +125,7 @@ def test_rope_qk_gauge_stays_in_the_commutant():
                                                                         generator=gen(1), dtype=torch.float64)
     off = float((project_commutant(M, s) - M).norm() / M.norm())
     assert s.rope_dims > 0 and off > 0.1, off
-    broken = mt.replace(mt.attention_changes(0, apply_gauge(w, Gauge(S=M))))
+    broken = mt.replace(mt.attention_changes(0, apply_gauge(w, Gauge(qk=M))))
     err = function_error(A, broken)
     assert err > 1e-3, f"a GL Q/K map under RoPE kept the function ({err:.1e})"
     with pytest.raises(AttnidError, match="commute with RoPE"):

@@ -147,6 +147,36 @@ def test_one_group_element_applied_at_once(family):
     assert worst == 0.0, f"{family}: the tensor-level path differs from the module path by {worst:.2e}"
 
 
+@pytest.mark.parametrize("family", ["qwen2-bias-gqa", "qwen3-qk-norm", "gpt2-untied", "falcon-parallel-bias"])
+def test_a_layer_element_carries_the_whole_attention_gauge(family):
+    """A LayerElement is an attention Gauge plus permutations and MLP scales: every piece the
+    layer has (Q/K, V/O, key-bias and value-bias shifts, QK-norm gain transfer) drawn at once by
+    `random_gauge` and applied through `apply_element` keeps the function."""
+    from dataclasses import fields
+
+    from attnid.symmetry.gauge import Gauge, apply_gauge, random_gauge
+    from attnid.weights import NAMES
+
+    model = tiny_model(FAMILIES[family], seed=0)
+    mt = T.ModelTensors.of(model)
+    gauges = [random_gauge(mt.attention(i), seed=i) for i in range(len(mt.layout.layers))]
+    layers = tuple(T.LayerElement(**{f.name: getattr(g, f.name) for f in fields(Gauge)}) for g in gauges)
+    drawn = {f.name for g in gauges for f in fields(Gauge) if getattr(g, f.name) is not None}
+    assert drawn - {"qk", "vo"}, f"{family}: random_gauge drew no shift or norm scale ({drawn})"
+    new = T.apply_element(model, T.GroupElement(layers=layers))
+    rel = float((function(model) - function(new)).norm() / function(model).norm())
+    assert rel < TOLERANCE[torch.float64], f"{family} ({sorted(drawn)}): the function changed by {rel:.2e}"
+    after = T.ModelTensors.of(new)
+    for i, g in enumerate(gauges):  # each layer's tensors are the per-layer gauge's
+        want, got = apply_gauge(mt.attention(i), g), after.attention(i)
+        for name in NAMES:
+            a, b = getattr(want, name, None), getattr(got, name, None)
+            if a is None:
+                continue
+            err = float((a - b).norm() / a.norm().clamp_min(1e-300))
+            assert err < 1e-12, f"{family} layer {i} {name}: {err:.2e} from apply_gauge's"
+
+
 REFUSED_INPUT = {
     "not-orthogonal": lambda m: T.residual_rotation(m, 2 * torch.eye(8, dtype=torch.float64)),
     "qk-off-the-commutant": lambda m: T.query_key_transform(

@@ -6,7 +6,7 @@ when eps = 0); `tests/symmetry/test_gauge.py` checks it in float64 to 1e-10 rela
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -17,15 +17,22 @@ from attnid.weights import AttentionWeights, kv_group_sum_out, pass_mask
 
 @dataclass(frozen=True)
 class Gauge:
-    """One group element. Absent pieces (None) act as the identity."""
+    """One element of an attention layer's group. Absent pieces (None) act as the identity.
 
-    S: torch.Tensor | None = None  # [..., G, dk, dk] QK gauge, in the RoPE commutant
+    The same field names in the whole model: `attnid.whole.transforms.LayerElement` is a Gauge
+    with the layer's head and neuron permutations and MLP scales added."""
+
+    qk: torch.Tensor | None = None  # [..., G, dk, dk] M: W_Q -> W_Q M, W_K -> W_K M^{-T} (RoPE commutant)
     kappa: torch.Tensor | None = None  # [..., G, dk] key-bias shift on pass-through dims
-    C: torch.Tensor | None = None  # [..., G, dv, dv] VO gauge
+    vo: torch.Tensor | None = None  # [..., G, dv, dv] C: W_V -> W_V C, W_O -> C^{-1} W_O
     nu: torch.Tensor | None = None  # [..., G, dv] value-bias shift, compensated in b_O
     log_t: torch.Tensor | None = None  # [..., dk] QK-norm gain transfer (tied in planes)
     c_q: torch.Tensor | None = None  # [..., H] QK-norm query scales (> 0; exact when eps = 0)
     c_k: torch.Tensor | None = None  # [..., G] QK-norm key scales
+
+    def is_identity(self) -> bool:
+        """Every piece absent (a subclass's added pieces too)."""
+        return all(getattr(self, f.name) is None for f in fields(self))
 
 
 def random_gauge(w: AttentionWeights, *, scale: float = 0.5, seed: int = 0,
@@ -42,7 +49,7 @@ def random_gauge(w: AttentionWeights, *, scale: float = 0.5, seed: int = 0,
     eye = lambda n: torch.eye(n, dtype=dt)  # noqa: E731
     out: dict[str, torch.Tensor] = {}
     if s.qk_norm == "none":
-        out["S"] = project_commutant(eye(dk) + scale * rnd(G, dk, dk) / dk**0.5, s)
+        out["qk"] = project_commutant(eye(dk) + scale * rnd(G, dk, dk) / dk**0.5, s)
         if w.b_K is not None:
             out["kappa"] = bias_shift * rnd(G, dk) * pass_mask(s, w.W_Q)
     else:
@@ -50,11 +57,11 @@ def random_gauge(w: AttentionWeights, *, scale: float = 0.5, seed: int = 0,
         if s.qk_norm_eps == 0.0:
             out["c_q"] = torch.exp(scale * rnd(s.n_heads))
             out["c_k"] = torch.exp(scale * rnd(G))
-    out["C"] = eye(dv) + scale * rnd(G, dv, dv) / dv**0.5
+    out["vo"] = eye(dv) + scale * rnd(G, dv, dv) / dv**0.5
     if w.b_V is not None:
         nu = bias_shift * rnd(G, dv)
         if w.b_O is None:  # only shifts that the other kv groups' biases cannot see
-            tmap = TangentMap(w.replace(W_O=_gauged_out(w.W_O, out["C"], s.kv_group_size)), "vo")
+            tmap = TangentMap(w.replace(W_O=_gauged_out(w.W_O, out["vo"], s.kv_group_size)), "vo")
             basis = tmap.nu_basis  # [..., G*dv, k]
             coef = (basis.transpose(-1, -2) @ nu.reshape(*b, -1, 1))
             nu = (basis @ coef).reshape(*b, G, dv)
@@ -71,17 +78,19 @@ def apply_gauge(w: AttentionWeights, g: Gauge) -> AttentionWeights:
     s = w.spec
     m = s.kv_group_size
     new: dict[str, torch.Tensor | None] = {}
-    if g.S is not None:
-        S = g.S
-        Sh = S.repeat_interleave(m, dim=-3)
-        S_invT = torch.linalg.inv(S).transpose(-1, -2)
-        new["W_Q"] = w.W_Q @ Sh
-        new["W_K"] = w.W_K @ S_invT
+    if g.qk is not None:
+        Mh = g.qk.repeat_interleave(m, dim=-3)
+        M_invT = torch.linalg.inv(g.qk).transpose(-1, -2)
+        new["W_Q"] = w.W_Q @ Mh
+        new["W_K"] = w.W_K @ M_invT
         if w.b_Q is not None:
-            new["b_Q"] = (w.b_Q.unsqueeze(-2) @ Sh).squeeze(-2)
+            new["b_Q"] = (w.b_Q.unsqueeze(-2) @ Mh).squeeze(-2)
         if w.b_K is not None:
-            bk = (w.b_K.unsqueeze(-2) @ S_invT).squeeze(-2)
-            new["b_K"] = bk if g.kappa is None else bk + g.kappa
+            new["b_K"] = (w.b_K.unsqueeze(-2) @ M_invT).squeeze(-2)
+    if g.kappa is not None:
+        if w.b_K is None:
+            raise ValueError("a key-bias shift (kappa) needs a key bias")
+        new["b_K"] = new.get("b_K", w.b_K) + g.kappa
     if g.log_t is not None:
         new["g_Q"] = w.g_Q * torch.exp(g.log_t)
         new["g_K"] = w.g_K * torch.exp(-g.log_t)
@@ -92,11 +101,11 @@ def apply_gauge(w: AttentionWeights, g: Gauge) -> AttentionWeights:
             new["b_Q"] = w.b_Q * g.c_q[..., :, None]
         if w.b_K is not None:
             new["b_K"] = w.b_K * g.c_k[..., :, None]
-    if g.C is not None:
-        new["W_V"] = w.W_V @ g.C
-        new["W_O"] = _gauged_out(w.W_O, g.C, m)
+    if g.vo is not None:
+        new["W_V"] = w.W_V @ g.vo
+        new["W_O"] = _gauged_out(w.W_O, g.vo, m)
         if w.b_V is not None:
-            new["b_V"] = (w.b_V.unsqueeze(-2) @ g.C).squeeze(-2)
+            new["b_V"] = (w.b_V.unsqueeze(-2) @ g.vo).squeeze(-2)
     if g.nu is not None:
         out_w = w.replace(**{k: v for k, v in new.items() if k == "W_O"})
         new["b_V"] = new.get("b_V", w.b_V) + g.nu

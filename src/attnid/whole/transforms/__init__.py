@@ -25,7 +25,12 @@ from attnid.whole.transforms.embeddings import (
     padding_translation,
     unreachable_positions_move,
 )
-from attnid.whole.transforms.heads import head_permutation, query_key_transform, value_transform
+from attnid.whole.transforms.heads import (
+    attention_gauge,
+    head_permutation,
+    query_key_transform,
+    value_transform,
+)
 from attnid.whole.transforms.layout import Layout, layout_for, layout_of
 from attnid.whole.transforms.mlp import mlp_scaling, neuron_permutation
 from attnid.whole.transforms.norms import (
@@ -43,7 +48,7 @@ from attnid.whole.transforms.residual import (
 )
 from attnid.whole.transforms.state import ModelTensors
 
-__all__ = ["GroupElement", "LayerElement", "Layout", "ModelTensors", "apply_element",
+__all__ = ["GroupElement", "LayerElement", "Layout", "ModelTensors", "apply_element", "attention_gauge",
            "centring_move", "embedding_translation", "fold_norm_gains", "hadamard",
            "head_permutation", "key_offset", "layout_for", "layout_of", "logit_shift",
            "mlp_scaling", "neuron_permutation", "norm_bias_transfer", "norm_gain_transfer",

@@ -15,11 +15,17 @@ side; a permutation comes before the transform indexed by the new order.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
-from attnid.whole.transforms.heads import head_permutation, query_key_transform, value_transform
+from attnid.symmetry.gauge import Gauge
+from attnid.whole.transforms.heads import (
+    attention_gauge,
+    head_permutation,
+    query_key_transform,
+    value_transform,
+)
 from attnid.whole.transforms.mlp import mlp_scaling, neuron_permutation
 from attnid.whole.transforms.norms import norm_gain_transfer
 from attnid.whole.transforms.residual import residual_rotation
@@ -27,17 +33,19 @@ from attnid.whole.transforms.state import ModelTensors, on_modules
 
 
 @dataclass(frozen=True)
-class LayerElement:
-    """One layer's part (None: identity)."""
+class LayerElement(Gauge):
+    """One layer's part (None: identity): the attention gauge (`attnid.symmetry.Gauge`: ``qk``,
+    ``vo``, and where the layer has them the key-bias shift and QK-norm scales) with the head
+    and neuron permutations and the MLP scales."""
 
     heads: torch.Tensor | None = None  # [H] long: new query head h is old head heads[h]
-    qk: torch.Tensor | None = None  # [G, dk, dk] M: W_Q -> W_Q M, W_K -> W_K M^{-T}
-    vo: torch.Tensor | None = None  # [G, dv, dv] C: W_V -> W_V C, W_O -> C^{-1} W_O
     neurons: torch.Tensor | None = None  # [f] long: new neuron j is old neuron neurons[j]
     mlp: torch.Tensor | None = None  # [f] per-neuron scales of the up side
 
-    def is_identity(self) -> bool:
-        return all(x is None for x in (self.heads, self.qk, self.vo, self.neurons, self.mlp))
+    def rest(self) -> Gauge:
+        """The attention part beyond Q/K and V/O (key-bias and value-bias shifts, QK-norm gain
+        transfer and scales), as a Gauge (the identity when the layer has none)."""
+        return Gauge(**{f.name: getattr(self, f.name) for f in fields(Gauge) if f.name not in ("qk", "vo")})
 
 
 @dataclass(frozen=True)
@@ -59,7 +67,8 @@ def apply_element(m: ModelTensors, g: GroupElement) -> ModelTensors:
     if g.rotation is not None:
         m = residual_rotation(m, g.rotation)
     for i, le in enumerate(g.layers):
-        heads = le.heads is not None or le.qk is not None or le.vo is not None
+        rest = le.rest()
+        heads = le.heads is not None or le.qk is not None or le.vo is not None or not rest.is_identity()
         if heads and m.complete(m.attention_names(i), f"layer {i}'s attention"):
             if le.heads is not None:
                 m = head_permutation(m, i, le.heads)
@@ -67,6 +76,8 @@ def apply_element(m: ModelTensors, g: GroupElement) -> ModelTensors:
                 m = query_key_transform(m, i, le.qk)
             if le.vo is not None:
                 m = value_transform(m, i, le.vo)
+            if not rest.is_identity():
+                m = attention_gauge(m, i, rest)
         if (le.neurons is not None or le.mlp is not None) and m.has(m.layout.mlps[i][1]):
             if le.neurons is not None:
                 m = neuron_permutation(m, i, le.neurons)

@@ -48,7 +48,7 @@ def value_transform(m: ModelTensors, layer: int, C: torch.Tensor) -> ModelTensor
         raise AttnidError(f"layer {layer}: a V/O transform is [{s.n_kv_heads}, {s.v_head_dim}, "
                           f"{s.v_head_dim}], got {list(C.shape)}")
     _invertible(C, "a V/O transform")
-    return m.replace(m.attention_changes(layer, apply_gauge(w, Gauge(C=C.to(w.W_V.dtype)))))
+    return m.replace(m.attention_changes(layer, apply_gauge(w, Gauge(vo=C.to(w.W_V.dtype)))))
 
 
 @on_modules
@@ -69,7 +69,19 @@ def query_key_transform(m: ModelTensors, layer: int, M: torch.Tensor) -> ModelTe
         raise AttnidError(f"layer {layer}: the Q/K transform does not commute with RoPE "
                           f"(relative distance {off:.1e} from the commutant)")
     _invertible(M, "a Q/K transform")
-    return m.replace(m.attention_changes(layer, apply_gauge(w, Gauge(S=M.to(w.W_Q.dtype)))))
+    return m.replace(m.attention_changes(layer, apply_gauge(w, Gauge(qk=M.to(w.W_Q.dtype)))))
+
+
+@on_modules
+def attention_gauge(m: ModelTensors, layer: int, g: Gauge) -> ModelTensors:
+    """Any element of the layer's attention group (`attnid.symmetry.Gauge`: key-bias and
+    value-bias shifts, QK-norm gain transfers and scales, as well as Q/K and V/O maps) applied to
+    its tensors; :func:`query_key_transform` and :func:`value_transform` check their maps first."""
+    w = _layer(m, layer)
+    try:
+        return m.replace(m.attention_changes(layer, apply_gauge(w, g)))
+    except ValueError as e:
+        raise AttnidError(f"layer {layer}: {e}") from None
 
 
 def kv_group_permutation(perm: torch.Tensor, n_heads: int, n_kv_heads: int) -> torch.Tensor:
