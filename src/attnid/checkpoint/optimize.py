@@ -70,7 +70,8 @@ def optimize(in_dir: str | Path, out_dir: str | Path, scheme: str, calibration: 
              progress: Progress | None = None) -> dict[str, Any]:
     """Search the group element for ``scheme`` on ``calibration`` and write it (see the module);
     returns the JSON of `attnid rewrite --optimize`."""
-    from attnid.checkpoint.rewrite import Recipe, write_certified
+    from attnid.checkpoint.output import write_certified
+    from attnid.checkpoint.rewrite import Recipe, changes
     from attnid.whole.transforms.norms import fold_norm_gains
 
     start = time.perf_counter()
@@ -114,7 +115,7 @@ def optimize(in_dir: str | Path, out_dir: str | Path, scheme: str, calibration: 
     search_seconds = time.perf_counter() - search_start
     shown.stage("write and certify")
     recipe = Recipe(fold_norms=fold, untie=units.untied is not None)
-    check, e2e = write_certified(ck, units, recipe, s.element(), dst, shown, end_to_end_max_bytes)
+    check, e2e = write_certified(ck, units, changes(recipe, s.element()), dst, shown, end_to_end_max_bytes)
     shown.close()
     worst = max([row["residual"] for row in check["layers"]] + [check["other"]["residual"]])
     return {"architecture": ck.adapter.family, "layers": ck.n_layers, "scheme": str(sch),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -179,6 +179,39 @@ def write_units(units: Any, compute: Any, tmp: Path) -> None:
         names.sort(key=lambda n: unit_of.get(n, -1))
         entries = [(n, f.info(src_of.get(n, n)).dtype, f.info(src_of.get(n, n)).shape) for n in names]
         write_streaming(tmp / f.path.name, entries, produce, f.metadata)
+
+
+def write_certified(ck: Any, units: Any, change: Callable[[Any], Any], dst: Path, progress: Any,
+                    end_to_end_max_bytes: int) -> tuple[dict[str, Any], float | None]:
+    """The one pipeline of the checkpoint commands that rewrite one model: each unit of
+    ``units`` loaded in its compute dtype (float64; float32 for bfloat16/float16 checkpoints),
+    ``change``d (a `ModelTensors` to a `ModelTensors`), written by :func:`write_units` into a
+    temporary sibling of ``dst``, certified by `attnid diff` against the input and end to end,
+    and only then moved into place; returns ``(the diff's JSON, the end-to-end difference)``."""
+    from attnid.checkpoint.diff import diff  # the certificate: the whole-model invariants
+    from attnid.checkpoint.load import open_checkpoint
+    from attnid.whole.fit.fitter import compute_dtype
+
+    cd = compute_dtype(ck.dtype())
+
+    def compute(u: int) -> Any:
+        m = change(units.load(u, cd))
+        progress.line(f"rewrote unit {u} of {units.count - 1}")
+        return m
+
+    with staged(dst, ck.root, {f.path.name for f in ck.files}) as tmp:
+        write_units(units, compute, tmp)
+        if units.untied:
+            untie_files(ck, units, tmp)
+        progress.line("verifying: attnid diff against the input")
+        check = diff(ck, open_checkpoint(tmp, purpose="certify"))
+        if not check["certified"]:
+            b = check["break"]
+            where = "outside the layers" if b["layer"] is None else f"layer {b['layer']}"
+            raise AttnidError(f"refused: the rewritten checkpoint is not certified ({where}, {b['tensor']}: "
+                              f"residual {b['residual']:.2e}); nothing was written")
+        e2e = verify_end_to_end(ck, tmp, end_to_end_max_bytes)
+    return check, e2e
 
 
 def untie_files(ck: Any, units: Any, tmp: Path) -> None:

@@ -27,17 +27,20 @@ is it moved into place. The input is never modified.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
-from attnid.checkpoint.load import Checkpoint, open_checkpoint
-from attnid.checkpoint.output import check_out_dir, staged, untie_files, verify_end_to_end, write_units
+from attnid.checkpoint.load import open_checkpoint
+from attnid.checkpoint.output import check_out_dir, write_certified
 from attnid.checkpoint.units import Units, open_units
 from attnid.errors import AttnidError
 from attnid.progress import Progress
+from attnid.whole.transforms.element import GroupElement
+from attnid.whole.transforms.state import ModelTensors
 
 Rotation = Literal["hadamard", "random"]
 
@@ -138,7 +141,7 @@ def rewrite(in_dir: str | Path, out_dir: str | Path, recipe: Recipe, *, force: b
     units = open_units(ck, untie=recipe.untie)
     element = draw(units, recipe)
     shown = progress if progress is not None else Progress(enabled=False)
-    check, e2e = write_certified(ck, units, recipe, element, dst, shown, end_to_end_max_bytes)
+    check, e2e = write_certified(ck, units, changes(recipe, element), dst, shown, end_to_end_max_bytes)
     worst = max([row["residual"] for row in check["layers"]] + [check["other"]["residual"]])
     return {"architecture": ck.adapter.family, "layers": ck.n_layers,
             "operations": {k: v for k, v in asdict(recipe).items() if k != "seed"}, "seed": recipe.seed,
@@ -146,42 +149,10 @@ def rewrite(in_dir: str | Path, out_dir: str | Path, recipe: Recipe, *, force: b
             "end_to_end_rel_diff": e2e, "seconds": time.perf_counter() - start, "out_dir": str(dst)}
 
 
-def write_certified(ck: Checkpoint, units: Units, recipe: Recipe, element, dst: Path, shown: Progress,
-                    end_to_end_max_bytes: int) -> tuple[dict[str, Any], float | None]:
-    """Write ``element`` (after folding the norms when ``recipe`` says so) of ``ck`` into a
-    temporary sibling of ``dst``, certify it by `attnid diff` against the input and end to end,
-    and only then move it into place; returns ``(the diff's JSON, the end-to-end difference)``."""
-    from attnid.checkpoint.diff import diff  # the verification: the whole-model invariants
-
-    with staged(dst, ck.root, {f.path.name for f in ck.files}) as tmp:
-        _write(ck, units, recipe, element, tmp, shown)
-        if units.untied:
-            untie_files(ck, units, tmp)
-        shown.line("verifying: attnid diff against the input")
-        check = diff(ck, open_checkpoint(tmp, purpose="rewrite"))
-        if not check["certified"]:
-            b = check["break"]
-            where = "outside the layers" if b["layer"] is None else f"layer {b['layer']}"
-            raise AttnidError(f"refused: the rewritten checkpoint is not certified ({where}, {b['tensor']}: "
-                              f"residual {b['residual']:.2e}); nothing was written")
-        e2e = verify_end_to_end(ck, tmp, end_to_end_max_bytes)
-    return check, e2e
-
-
-def _write(ck: Checkpoint, units: Units, recipe: Recipe, element, tmp: Path, progress: Progress) -> None:
-    """Every shard through `attnid.checkpoint.output.write_units`: a unit is loaded (float64),
-    its norms folded when the recipe says so, the element applied, when its first tensor is
-    asked for, and dropped once all its tensors are written."""
-    from attnid.whole.fit.fitter import compute_dtype
+def changes(recipe: Recipe, element: GroupElement) -> Callable[[ModelTensors], ModelTensors]:
+    """The change `write_certified` makes to each unit: the norms folded when ``recipe`` says so,
+    then ``element`` applied."""
     from attnid.whole.transforms.element import apply_element
     from attnid.whole.transforms.norms import fold_norm_gains
 
-    cd = compute_dtype(ck.dtype())  # float64; float32 is ample for bfloat16/float16 outputs
-
-    def compute(u: int):
-        m = units.load(u, cd)
-        m = apply_element(fold_norm_gains(m) if recipe.fold_norms else m, element)
-        progress.line(f"rewrote unit {u} of {units.count - 1}")
-        return m
-
-    write_units(units, compute, tmp)
+    return lambda m: apply_element(fold_norm_gains(m) if recipe.fold_norms else m, element)

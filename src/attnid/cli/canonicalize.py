@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from attnid.cli.app import Json, app, emit_json
+from attnid.cli.app import Json, app, emit_json, sized_progress
 
 
 @app.command("canonicalize")
@@ -35,7 +35,7 @@ def canonicalize_cmd(
     require_extras("hf", what="attnid canonicalize")
     result = canonicalize(in_dir, out_dir, drop_key_bias=drop_key_bias,
                           fold_value_bias=fold_value_bias, balance=balance, fold_norms=fold_norms,
-                          force=force)
+                          force=force, progress=sized_progress(in_dir, above=2**28))
     if json_out:
         emit_json(result)
     else:
@@ -45,7 +45,7 @@ def canonicalize_cmd(
             f"  key bias dropped in {result['key_bias_dropped']} layers, value bias folded in "
             f"{result['value_bias_folded']}, {result['heads_balanced']} heads balanced"
             + (f", {result['norms_folded']} norm gains folded" if fold_norms else "") + "\n"
-            f"  per-layer check (float64): max abs diff {result['max_abs_diff']:.2e}, max rel diff "
-            f"{result['max_rel_diff']:.2e}; end to end: "
+            f"  certified by attnid diff: every residual <= {result['max_residual']:.2e} "
+            f"(rounding level {result['tolerance']:.1e})\n  end to end: "
             + ("skipped (large checkpoint)" if e2e is None else f"{e2e:.2e}")
             + f"; {result['seconds']:.1f}s")
