@@ -441,7 +441,9 @@ def own_classes(c: Config) -> dict[str, type]:
     """The transformers classes attnid itself defines for a config's ``model_type`` (registered
     with the Auto classes on first use): `attnid.adapters.positions_llama` for Llama without
     RoPE; empty for every other model type."""
-    if c.get("model_type") != "attnid_llama":
+    from attnid.adapters.own import MODEL_TYPE
+
+    if c.get("model_type") != MODEL_TYPE:
         return {}
     from attnid.adapters.positions_llama import CLASSES
 

@@ -24,8 +24,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaForCausalLM, LlamaModel
 
-MODEL_TYPE = "attnid_llama"
-POSITIONS = ("learned", "none")
+from attnid.adapters.own import MODEL_TYPE, POSITIONS
 
 
 class PositionsLlamaConfig(LlamaConfig):

@@ -15,12 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attnid.adapters.own import POSITIONS
 from attnid.attention import Attention
 from attnid.errors import AttnidError
 from attnid.spec import AttentionSpec
 
 NORMS = ("layernorm", "rmsnorm")
-POSITIONS = ("learned", "none")  # without RoPE: a learned table, or no positional encoding (NoPE)
 MLP_OUTPUT = {"gelu": "proj", "swiglu": "down"}  # each MLP's layer that writes the residual stream
 
 

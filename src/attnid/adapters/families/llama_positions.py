@@ -8,6 +8,7 @@ from torch import nn
 
 from attnid.adapters.base import Adapter, Config, cfg, cfg_int
 from attnid.adapters.layout import Layout, base_prefix, llama_layout
+from attnid.adapters.own import MODEL_TYPE
 from attnid.adapters.registry import register
 from attnid.structure import Structure
 
@@ -19,7 +20,7 @@ def learned(c: Config) -> bool:
 @register
 class PositionsLlama(Adapter):
     architectures = ("PositionsLlamaForCausalLM", "PositionsLlamaModel")
-    model_type = "attnid_llama"
+    model_type = MODEL_TYPE
     family = "Llama (learned or no positions)"
 
     def rope(self, c: Config) -> float:
