@@ -39,6 +39,7 @@ from torch import nn
 
 import attnid.whole.fit.canonical as C
 from attnid.errors import AttnidError, renamed_keyword
+from attnid.numerics import sq_distance
 from attnid.whole.align.activations import (
     check_memory,
     collect,
@@ -147,7 +148,8 @@ def check_pair(a: ModelTensors, b: ModelTensors) -> None:
 
 
 def unit_distance(a: ModelTensors, b: ModelTensors, own: list[str]) -> float:
-    """``||B - A||`` over a unit's own floating tensors (one storage once), summed in float64."""
+    """``||B - A||`` over a unit's own floating tensors (one storage once), a chunk at a time
+    (`attnid.numerics.sq_distance`: no full-size difference of a table is made)."""
     sq = 0.0
     seen: set[tuple[int, tuple[int, ...]]] = set()
     for n in own:
@@ -156,7 +158,7 @@ def unit_distance(a: ModelTensors, b: ModelTensors, own: list[str]) -> float:
         if not t.is_floating_point() or key in seen:
             continue
         seen.add(key)
-        sq += float(((t - b.tensors[n]) ** 2).sum(dtype=torch.float64))
+        sq += sq_distance(t, b.tensors[n])
     return sq**0.5
 
 

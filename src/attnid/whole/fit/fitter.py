@@ -27,6 +27,7 @@ import torch
 import attnid.whole.fit.canonical as C
 from attnid.errors import AttnidError
 from attnid.numerics import rounding_tolerance as tolerance
+from attnid.numerics import sq_distance
 from attnid.whole.fit.compare import Residual, UnitResult, compare_item, compare_unit
 from attnid.whole.fit.frame import Frame, probe_count, probes
 from attnid.whole.fit.match import assignment
@@ -489,23 +490,11 @@ def _gains(ma: ModelTensors, mb: ModelTensors) -> dict[str, torch.Tensor]:
     return out
 
 
-RAW_CHUNK = 1 << 18  # elements per step of a stored distance: the difference stays in cache
-
-
-def _sq_distance(x: torch.Tensor, y: torch.Tensor) -> float:
-    """``||x - y||^2``, a cache-sized chunk at a time (no full-size difference is made; each
-    chunk's sum in the compute dtype, the chunks' in float64: about 1e-7 relative in float32,
-    where one float32 reduction over a 45M-element weight drifts by 1e-3)."""
-    fx, fy = x.reshape(-1), y.reshape(-1)
-    return sum(float(torch.linalg.vector_norm(fx[i:i + RAW_CHUNK] - fy[i:i + RAW_CHUNK])) ** 2
-               for i in range(0, fx.numel(), RAW_CHUNK))
-
-
 def _raw(src: UnitSource, ma: ModelTensors, mb: ModelTensors, u: int) -> float:
     """``||B - A||`` over the unit's stored tensors, in the compute dtype the unit is read in
     (the difference of two bfloat16 or float16 values is exact in float32)."""
     total = 0.0
     for n in src.names(u):
         if n in ma and n in mb and ma.tensors[n].is_floating_point():
-            total += _sq_distance(ma.tensors[n], mb.tensors[n])
+            total += sq_distance(ma.tensors[n], mb.tensors[n])
     return total**0.5
