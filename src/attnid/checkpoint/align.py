@@ -203,6 +203,7 @@ def refined_files(a: Checkpoint, ua: Units, ub: Units, al: Alignment, written: P
     (residual and level None: the caller's certificate stands)."""
     from attnid.checkpoint.evaluate import load_causal_lm
     from attnid.whole.align.refine import refine
+    from attnid.whole.transforms.element import apply_element
 
     uw = open_units(open_checkpoint(written, purpose="align"), untie=ub.untied is not None)
     r = refine(load_tensors(ua), load_tensors(uw), load_causal_lm(a), calibration, steps,
@@ -212,7 +213,8 @@ def refined_files(a: Checkpoint, ua: Units, ub: Units, al: Alignment, written: P
     tmp = dst.parent / f".{dst.name}.{secrets.token_hex(4)}.tmp"
     tmp.mkdir(parents=True)
     try:
-        write_units(uw, lambda u: r.model, tmp)
+        # the refined element, applied a unit at a time in float64 (as every rewrite is written)
+        write_units(uw, lambda u: apply_element(uw.load(u, torch.float64), r.element), tmp)
         copy_other_files(written, tmp, {f.path.name for f in uw.ck.files})
         worst, tol = certify(ub, tmp, al.stream_permutation)
     except BaseException:
