@@ -5,7 +5,7 @@
 Makes (once) a randomly initialised Llama-shaped checkpoint of about 1.1B parameters
 (TinyLlama's shape, float32, one safetensors file), then in the same run times, each in its
 own process with its peak resident memory:
-  (a) `attnid canonicalize` (streaming, per-layer float64 verification);
+  (a) `attnid canonicalize` (streamed a unit at a time, certified by `attnid diff`);
   (b) a plain copy: safetensors `load_file` then `save_file` of the same checkpoint.
 TransformerLens is not a dependency and is not installed here, so no comparison with it.
 """
@@ -92,7 +92,7 @@ def main() -> None:
     print(f"plain load+save copy: {t_copy:.1f}s, peak {m_copy:.2f} GB")
     print(f"attnid canonicalize : {t_can:.1f}s, peak {m_can:.2f} GB  -> time ratio {t_can / t_copy:.2f}x")
     print(f"  certified (worst residual {rep['max_residual']:.2e}), {rep['heads_balanced']} heads balanced, "
-          "end to end: " + ("skipped (over 2 GiB: per-layer float64 checks only)"
+          "end to end: " + ("skipped (over 2 GiB: the diff certificate only)"
                             if rep["end_to_end_rel_diff"] is None else f"{rep['end_to_end_rel_diff']:.2e}"))
 
 

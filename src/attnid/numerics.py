@@ -62,16 +62,21 @@ DISTANCE_CHUNK = 1 << 18  # elements per step of a squared distance: the differe
 
 def sq_distance(x: torch.Tensor, y: torch.Tensor) -> float:
     """``||x - y||^2``, a cache-sized chunk at a time: no full-size difference is made (a 32000 x
-    4096 table's would be 0.5 GB in float32). Each chunk's norm in the tensors' dtype, the
+    4096 table's would be 0.5 GB in float32). Each chunk's norm in the tensors' dtype (float32
+    for bfloat16 and float16), the
     chunks' sum in float64: about 1e-7 relative in float32, where one float32 reduction over a
     45M-element weight drifts by 1e-3.
 
     >>> sq_distance(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 4.0]))
     4.0
     """
+    dt = torch.promote_types(x.dtype, torch.float32)  # bfloat16 and float16 differences in float32
     fx, fy = x.reshape(-1), y.reshape(-1)
-    return sum(float(torch.linalg.vector_norm(fx[i:i + DISTANCE_CHUNK] - fy[i:i + DISTANCE_CHUNK])) ** 2
-               for i in range(0, fx.numel(), DISTANCE_CHUNK))
+    total = 0.0
+    for i in range(0, fx.numel(), DISTANCE_CHUNK):
+        chunk = fx[i:i + DISTANCE_CHUNK].to(dt) - fy[i:i + DISTANCE_CHUNK].to(dt)
+        total += float(torch.linalg.vector_norm(chunk)) ** 2
+    return total
 
 
 def _svd_polar(M: torch.Tensor) -> torch.Tensor:

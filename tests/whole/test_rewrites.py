@@ -177,6 +177,46 @@ def test_a_layer_element_carries_the_whole_attention_gauge(family):
             assert err < 1e-12, f"{family} layer {i} {name}: {err:.2e} from apply_gauge's"
 
 
+def test_a_key_bias_shift_alone_on_a_float32_model():
+    """``kappa`` without ``qk`` (dropped before the element carried it) and ``nu``, on a float32
+    GPT-2 (no RoPE: every key dim passes through): the pieces are cast, applied and exact."""
+    from attnid.symmetry.gauge import Gauge
+
+    model = tiny_model(FAMILIES["gpt2-untied"], seed=0).float()
+    mt = T.ModelTensors.of(model)
+    s = mt.spec(0)
+    kappa = torch.randn(s.n_kv_heads, s.head_dim, generator=gen(3), dtype=torch.float64)
+    nu = torch.randn(s.n_kv_heads, s.v_head_dim, generator=gen(4), dtype=torch.float64)
+    new = T.apply_element(model, T.GroupElement(layers=(T.LayerElement(kappa=kappa, nu=nu),)))
+    before, after = mt.attention(0), T.ModelTensors.of(new).attention(0)
+    moved = float((after.b_K - before.b_K).abs().max())
+    assert abs(moved - float(kappa.abs().max())) < 1e-5, f"the key bias moved by {moved}, not by kappa"
+    ids = torch.randint(0, model.config.vocab_size, (2, 4), generator=gen(5))
+    with torch.no_grad():
+        a, b = model(input_ids=ids).logits, new(input_ids=ids).logits
+    rel = float((a - b).norm() / a.norm())
+    assert rel < TOLERANCE[torch.float32], f"the function changed by {rel:.2e}"
+    scales = Gauge(c_q=2 * torch.ones(s.n_heads), c_k=torch.ones(s.n_kv_heads))  # QK-norm's, without one
+    with pytest.raises(AttnidError, match="not a symmetry"):
+        T.attention_gauge(model, 0, scales)
+
+
+@pytest.mark.parametrize("name,piece", [
+    ("kappa-without-a-key-bias", lambda s: {"kappa": torch.ones(s.n_kv_heads, s.head_dim)}),
+    ("kappa-on-rotated-dims", lambda s: {"kappa": torch.ones(s.n_kv_heads, s.head_dim)}),
+    ("log_t-without-qk-norm", lambda s: {"log_t": torch.zeros(s.head_dim)}),
+    ("c_q-without-c_k", lambda s: {"c_q": torch.ones(s.n_heads)}),
+])
+def test_an_attention_gauge_that_is_no_symmetry_is_refused(name, piece):
+    from attnid.symmetry.gauge import Gauge
+
+    family = "qwen2-bias-gqa" if name == "kappa-on-rotated-dims" else "llama-gqa"
+    model = tiny_model(FAMILIES[family], seed=0)
+    g = Gauge(**piece(T.ModelTensors.of(model).spec(0)))
+    with pytest.raises(AttnidError, match="layer 0"):
+        T.attention_gauge(model, 0, g)
+
+
 REFUSED_INPUT = {
     "not-orthogonal": lambda m: T.residual_rotation(m, 2 * torch.eye(8, dtype=torch.float64)),
     "qk-off-the-commutant": lambda m: T.query_key_transform(

@@ -21,6 +21,7 @@ from torch import nn
 
 from attnid.adapters.config import source_of
 from attnid.adapters.layout import Layout, llama_layout
+from attnid.adapters.own import MODEL_TYPE
 from attnid.errors import AttnidError
 from attnid.layers import LayerAccessor
 from attnid.sharding import clean_name
@@ -441,8 +442,6 @@ def own_classes(c: Config) -> dict[str, type]:
     """The transformers classes attnid itself defines for a config's ``model_type`` (registered
     with the Auto classes on first use): `attnid.adapters.positions_llama` for Llama without
     RoPE; empty for every other model type."""
-    from attnid.adapters.own import MODEL_TYPE
-
     if c.get("model_type") != MODEL_TYPE:
         return {}
     from attnid.adapters.positions_llama import CLASSES

@@ -213,7 +213,7 @@ def refined_files(a: Checkpoint, ua: Units, ub: Units, al: Alignment, written: P
     tmp = dst.parent / f".{dst.name}.{secrets.token_hex(4)}.tmp"
     tmp.mkdir(parents=True)
     try:
-        # the refined element, applied a unit at a time in float64 (as every rewrite is written)
+        # the refined element, applied a unit at a time (float64)
         write_units(uw, lambda u: apply_element(uw.load(u, torch.float64), r.element), tmp)
         copy_other_files(written, tmp, {f.path.name for f in uw.ck.files})
         worst, tol = certify(ub, tmp, al.stream_permutation)

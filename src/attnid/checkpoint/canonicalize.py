@@ -5,11 +5,12 @@ into the output bias, and balance QK (``W_Q^T W_Q = W_K^T W_K`` per kv group; un
 within the commutant) and VO; optionally fold every absorbable norm gain into its readers.
 
 The same pipeline as `attnid rewrite`: the checkpoint is read one unit (a layer) at a time
-(`attnid.checkpoint.units`), each unit's element is found from its own tensors and applied in
-float64, the result is written through `attnid.checkpoint.output.write_units` into a
-temporary sibling of ``out_dir``, certified by `attnid diff` against the input (and end to end
-with transformers for checkpoints small enough), and only then moved into place. Peak memory is
-a unit; the input is never modified.
+(`attnid.checkpoint.units`); each unit's element is found from its own tensors and applied in
+the compute dtype (float64; float32 for bfloat16 and float16 checkpoints); the result is
+written through `attnid.checkpoint.output.write_units` into a temporary sibling of
+``out_dir``, certified by `attnid diff` against the input (and end to end with transformers
+for checkpoints small enough), and only then moved into place. Peak memory is a unit; the
+input is never modified.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from attnid.symmetry.rebalance import drop_key_bias as zero_free_key_bias
 from attnid.symmetry.rebalance import fold_value_bias as fold_value_bias_into_output
 from attnid.symmetry.rebalance import rebalance_qk, rebalance_vo
 from attnid.weights import AttentionWeights
+from attnid.whole.transforms.state import ModelTensors
 
 
 @dataclass(frozen=True)
@@ -46,7 +48,7 @@ def canonicalize(in_dir: str | Path, out_dir: str | Path, *, drop_key_bias: bool
 
     ``None`` for an operation means: do it wherever it applies to the architecture.
     """
-    from attnid.checkpoint.rewrite import write_certified
+    from attnid.checkpoint.output import write_certified
     from attnid.checkpoint.units import open_units
     from attnid.whole.transforms.norms import fold_norm_gains, foldable
 
@@ -67,7 +69,7 @@ def canonicalize(in_dir: str | Path, out_dir: str | Path, *, drop_key_bias: bool
     stats = {"key_bias_dropped": 0, "value_bias_folded": 0, "heads_balanced": 0,
              "norms_folded": sum(foldable(nm) for nm in units.layout.norms) if fold_norms else 0}
 
-    def compute(m):
+    def compute(m: ModelTensors) -> ModelTensors:
         """One unit: its norms folded (when asked), then each attention layer it holds made canonical."""
         if fold_norms:
             m = fold_norm_gains(m)

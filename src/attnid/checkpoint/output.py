@@ -4,6 +4,7 @@ files of the model directory (config, tokenizer) copied along. The input is neve
 
 from __future__ import annotations
 
+import math
 import os
 import secrets
 import shutil
@@ -137,7 +138,7 @@ def verify_end_to_end(ck: Any, out: Path, max_bytes: int, what: str = "rewritten
     if sum(f.path.stat().st_size for f in ck.files) > max_bytes:
         return None
     e2e = end_to_end(ck.root, out, ck.config, float64=ck.dtype() == torch.float64)
-    if e2e > 10 * tolerance(ck.dtype()):
+    if not math.isfinite(e2e) or e2e > 10 * tolerance(ck.dtype()):
         raise AttnidError(f"refused: the {what} model's outputs differ by {e2e:.2e} (relative); "
                           "nothing was written")
     return e2e
@@ -204,7 +205,11 @@ def write_certified(ck: Any, units: Any, change: Callable[[Any], Any], dst: Path
         if units.untied:
             untie_files(ck, units, tmp)
         progress.line("verifying: attnid diff against the input")
-        check = diff(ck, open_checkpoint(tmp, purpose="certify"))
+        try:
+            check = diff(ck, open_checkpoint(tmp, purpose="certify"))
+        except AttnidError as e:  # e.g. a NaN written: the message would name the scratch folder
+            raise AttnidError(f"refused: the rewritten checkpoint cannot be certified ({e}); "
+                              "nothing was written") from None
         if not check["certified"]:
             b = check["break"]
             where = "outside the layers" if b["layer"] is None else f"layer {b['layer']}"

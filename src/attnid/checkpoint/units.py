@@ -116,21 +116,3 @@ def required_weights(lay: Layout) -> list[str]:
     names = [f"{t}.weight" for t in lay.tables] + [f"{nm.path}.weight" for nm in lay.norms]
     names += [f"{lin.path}.weight" for lin in lins if not (lay.tied and lin == lay.unembed)]
     return list(dict.fromkeys(names))
-
-
-def fold_check(before: ModelTensors, after: ModelTensors, gen: torch.Generator) -> float:
-    """Largest relative change of a folded norm's readers' outputs on random normalised
-    inputs ``z``: ``W (g z + b)`` before, ``W' (z + b / g)`` after (rounding only)."""
-    worst = 0.0
-    for nm in before.layout.norms:
-        if f"{nm.path}.weight" not in before or after.tensors[f"{nm.path}.weight"] is \
-                before.tensors[f"{nm.path}.weight"]:
-            continue
-        g0, g1 = before.gain(nm), after.gain(nm)
-        b0, b1 = before.norm_bias(nm), after.norm_bias(nm)
-        z = torch.randn(8, g0.shape[0], generator=gen, dtype=torch.float64)
-        y0, y1 = z * g0 + (0 if b0 is None else b0), z * g1 + (0 if b1 is None else b1)
-        for lin in nm.readers:
-            o0, o1 = y0 @ before.weight(lin).T, y1 @ after.weight(lin).T
-            worst = max(worst, float((o1 - o0).norm() / o0.norm().clamp_min(1e-300)))
-    return worst

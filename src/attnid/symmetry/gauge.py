@@ -15,7 +15,7 @@ from attnid.symmetry.tangent import TangentMap
 from attnid.weights import AttentionWeights, kv_group_sum_out, pass_mask
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Gauge:
     """One element of an attention layer's group. Absent pieces (None) act as the identity.
 
@@ -92,21 +92,27 @@ def apply_gauge(w: AttentionWeights, g: Gauge) -> AttentionWeights:
             raise ValueError("a key-bias shift (kappa) needs a key bias")
         new["b_K"] = new.get("b_K", w.b_K) + g.kappa
     if g.log_t is not None:
+        if w.g_Q is None or w.g_K is None:
+            raise ValueError("a QK-norm gain transfer (log_t) needs QK-norm gains")
         new["g_Q"] = w.g_Q * torch.exp(g.log_t)
         new["g_K"] = w.g_K * torch.exp(-g.log_t)
-    if g.c_q is not None:
-        new["W_Q"] = w.W_Q * g.c_q[..., :, None, None]
-        new["W_K"] = w.W_K * g.c_k[..., :, None, None]
+    if (g.c_q is None) != (g.c_k is None):
+        raise ValueError("QK-norm scales come in pairs: c_q with c_k")
+    if g.c_q is not None and g.c_k is not None:
+        new["W_Q"] = new.get("W_Q", w.W_Q) * g.c_q[..., :, None, None]
+        new["W_K"] = new.get("W_K", w.W_K) * g.c_k[..., :, None, None]
         if w.b_Q is not None:
-            new["b_Q"] = w.b_Q * g.c_q[..., :, None]
+            new["b_Q"] = new.get("b_Q", w.b_Q) * g.c_q[..., :, None]
         if w.b_K is not None:
-            new["b_K"] = w.b_K * g.c_k[..., :, None]
+            new["b_K"] = new.get("b_K", w.b_K) * g.c_k[..., :, None]
     if g.vo is not None:
         new["W_V"] = w.W_V @ g.vo
         new["W_O"] = _gauged_out(w.W_O, g.vo, m)
         if w.b_V is not None:
             new["b_V"] = (w.b_V.unsqueeze(-2) @ g.vo).squeeze(-2)
     if g.nu is not None:
+        if w.b_V is None:
+            raise ValueError("a value-bias shift (nu) needs a value bias")
         out_w = w.replace(**{k: v for k, v in new.items() if k == "W_O"})
         new["b_V"] = new.get("b_V", w.b_V) + g.nu
         if w.b_O is not None:

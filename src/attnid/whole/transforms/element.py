@@ -2,15 +2,18 @@
 that applies it (to a checkpoint's tensors or a module): what `attnid diff` fits and what
 `attnid rewrite` draws.
 
-The record holds the multiplicative part of the group (docs/theory.md §13): norm gain
-transfers, the residual-stream rotation, and per layer a head permutation, per-kv-group Q/K and
-V/O transforms, a neuron permutation and per-neuron MLP scales. The additive part (LayerNorm
-bias moves, centring, all-ones shifts, translations, logit shifts, parallel-bias transfer,
-key-bias translation, value-bias folding) is what `attnid diff` removes by gauge fixing.
+The record holds norm gain transfers, the residual-stream rotation, and per layer a
+`LayerElement`: the layer's attention gauge (`attnid.symmetry.Gauge`: per-kv-group Q/K and V/O
+transforms, and where given the key-bias and value-bias shifts and QK-norm scales), a head
+permutation, a neuron permutation and per-neuron MLP scales (docs/theory.md §13). The rest of
+the additive part (LayerNorm bias moves, centring, all-ones shifts, translations, logit shifts,
+parallel-bias transfer) has transforms of its own; `attnid diff` removes all of it by gauge
+fixing, the shifts a LayerElement may carry included.
 
 Order of :func:`apply_element`: gain transfers and the (gain-keeping) rotation act on the
 residual side and commute with each other; the per-layer parts act on the head and neuron
-side; a permutation comes before the transform indexed by the new order.
+side; a permutation comes before the transform indexed by the new order, and the shifts and
+QK-norm scales come last (`attention_gauge`, which checks them).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from attnid.whole.transforms.residual import residual_rotation
 from attnid.whole.transforms.state import ModelTensors, on_modules
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LayerElement(Gauge):
     """One layer's part (None: identity): the attention gauge (`attnid.symmetry.Gauge`: ``qk``,
     ``vo``, and where the layer has them the key-bias shift and QK-norm scales) with the head

@@ -16,6 +16,8 @@ The attention tensors are read and written by the family's adapter, so fused lay
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import torch
 
 from attnid.errors import AttnidError
@@ -76,12 +78,32 @@ def query_key_transform(m: ModelTensors, layer: int, M: torch.Tensor) -> ModelTe
 def attention_gauge(m: ModelTensors, layer: int, g: Gauge) -> ModelTensors:
     """Any element of the layer's attention group (`attnid.symmetry.Gauge`: key-bias and
     value-bias shifts, QK-norm gain transfers and scales, as well as Q/K and V/O maps) applied to
-    its tensors; :func:`query_key_transform` and :func:`value_transform` check their maps first."""
+    its tensors (the pieces cast to their dtype). What is not a symmetry of this layer is refused:
+    a piece the layer has no tensor for, or a change of its output on random inputs (float64)
+    beyond rounding (a key-bias shift on rotated dims, a value-bias shift the output bias cannot
+    absorb, QK-norm scales with ``eps > 0``)."""
+    from attnid.numerics import relative_error, tolerance
+
     w = _layer(m, layer)
     try:
-        return m.replace(m.attention_changes(layer, apply_gauge(w, g)))
+        exact = apply_gauge(w.to(torch.float64), _cast(g, torch.float64))
+        stored = apply_gauge(w, _cast(g, w.W_Q.dtype))
     except ValueError as e:
         raise AttnidError(f"layer {layer}: {e}") from None
+    x = torch.randn(2, 8, w.spec.d_model, generator=torch.Generator().manual_seed(layer), dtype=torch.float64)
+    with torch.no_grad():
+        before = w.to(torch.float64).to_module(copy=False)(x, causal=True)
+        after = exact.to_module(copy=False)(x, causal=True)
+    err = relative_error(after, before)
+    if not err <= tolerance(torch.float64):
+        raise AttnidError(f"layer {layer}: this attention gauge is not a symmetry of the layer "
+                          f"(its output changes by {err:.1e}, relative)")
+    return m.replace(m.attention_changes(layer, stored))
+
+
+def _cast(g: Gauge, dtype: torch.dtype) -> Gauge:
+    pieces = {f.name: getattr(g, f.name) for f in fields(Gauge)}
+    return Gauge(**{k: None if v is None else v.to(dtype) for k, v in pieces.items()})
 
 
 def kv_group_permutation(perm: torch.Tensor, n_heads: int, n_kv_heads: int) -> torch.Tensor:
