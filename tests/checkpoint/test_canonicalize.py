@@ -81,6 +81,9 @@ SMALL = {
     "qwen2": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 32,
               "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
               "intermediate_size": 64, "vocab_size": 64},
+    "qwen3": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 32,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+              "intermediate_size": 64, "vocab_size": 64, "head_dim": 8},  # QK-norm
     "gpt_neox": {"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", "hidden_size": 32,
                  "num_attention_heads": 4, "num_hidden_layers": 2, "intermediate_size": 64,
                  "vocab_size": 64, "rotary_pct": 0.5},
@@ -319,7 +322,7 @@ def test_fold_norms_round_trip_through_transformers(kind, tmp_path, capsys):
     out = tmp_path / f"{kind}-folded"
     code, rep, err = _canon(capsys, src, out, "--fold-norms")
     assert code == 0, err
-    expected = {"gpt2": 4, "llama": 5, "qwen2": 5, "gpt_neox": 5}[kind]  # tied GPT-2: no final
+    expected = {"gpt2": 4, "llama": 5, "qwen2": 5, "qwen3": 5, "gpt_neox": 5}[kind]  # tied GPT-2: no final
     assert rep["norms_folded"] == expected, rep
     assert rep["end_to_end_rel_diff"] < F32, f"{kind}: logits moved by {rep['end_to_end_rel_diff']:.2e}"
     b = cls.from_pretrained(out).eval()
