@@ -44,6 +44,7 @@ DOCS = {p.relative_to(ROOT).as_posix(): p.read_text(encoding="utf-8")
         for pattern in ("README.md", "*.md", "docs/*.md", "benchmarks/*.md")
         for p in sorted(ROOT.glob(pattern))}
 PROGRAMS = ("attnid", ".venv/bin/attnid")  # how an example calls the CLI
+PYTHONS = (".venv/bin/python", ".venv-llmc/bin/python")  # attnid's venv; llm-compressor's (benchmarks)
 SLOW_COMMANDS = ("train",)  # a training run; the commands after it in its file read its output
 SLOW_PYTHON = ("run_section(",)  # the pretrained-MiniLM fine-tuning
 
@@ -359,7 +360,7 @@ def run_bash(command: str, cwd: Path, capsys) -> None:
         script = next(a for a in argv[1:] if a.endswith(".py"))
         assert (ROOT / script).is_file(), f"{command}: no {script}"
         assert "--standalone" in argv, f"{command}: --standalone picks a free port (two runs collide without)"
-    elif argv[0] == ".venv/bin/python" and argv[1].endswith(".py"):  # a script: its --help knows the flags
+    elif argv[0] in PYTHONS and argv[1].endswith(".py"):  # a script: its --help knows the flags
         assert (ROOT / argv[1]).is_file(), f"{command}: no {argv[1]}"
         done = subprocess.run([sys.executable, argv[1], "--help"], cwd=ROOT, capture_output=True, text=True,
                               timeout=300)
