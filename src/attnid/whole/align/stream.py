@@ -85,22 +85,29 @@ def permuted(g: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
 def stream_pieces(m: ModelTensors) -> Iterator[torch.Tensor]:
     """Every stream-side piece of ``m`` ``[n, d]`` (each at most ``d + ROWS_EXTRA`` rows, evenly
     spaced): table rows, the unembedding's and every reader's columns with their norm's gain
-    folded in, every writer's output columns and bias."""
+    folded in, every writer's output columns and bias. Made one at a time, the rows sampled
+    before the gain is folded in (a full-size scaled copy of every reader would be about 0.5 GB
+    a layer at 7B widths)."""
     lay = m.layout
-    pieces = [m.tensors[f"{t}.weight"] for t in lay.tables if f"{t}.weight" in m]
+    for t in lay.tables:
+        if f"{t}.weight" in m:
+            yield _sampled(m.tensors[f"{t}.weight"])
     norms = {nm.path: nm for nm in (*lay.norms, *(() if lay.final is None else (lay.final,)))}
     for nm in norms.values():  # the final norm once, whether or not lay.norms lists it
         if f"{nm.path}.weight" not in m:
             continue
         g = m.gain(nm)
         readers = {r.path: r for r in nm.readers if m.has(r) and not (lay.tied and r == lay.unembed)}
-        pieces += [m.weight(lin) * g[None, :] for lin in readers.values()]
+        for lin in readers.values():
+            yield _sampled(m.weight(lin)) * g[None, :]
     for lin in {w.path: w for ws in lay.writers for w in ws if m.has(w)}.values():
-        pieces.append(m.weight(lin).T)
+        yield _sampled(m.weight(lin).T)
         if m.bias(lin) is not None:
-            pieces.append(m.bias(lin)[None, :])
-    for p in pieces:
-        yield rows(p, p.shape[1] + ROWS_EXTRA)
+            yield m.bias(lin)[None, :]
+
+
+def _sampled(p: torch.Tensor) -> torch.Tensor:
+    return rows(p, p.shape[1] + ROWS_EXTRA)
 
 
 def cross(a: ModelTensors, b: ModelTensors) -> torch.Tensor | None:
