@@ -63,9 +63,8 @@ DISTANCE_CHUNK = 1 << 18  # elements per step of a squared distance: the differe
 def sq_distance(x: torch.Tensor, y: torch.Tensor) -> float:
     """``||x - y||^2``, a cache-sized chunk at a time: no full-size difference is made (a 32000 x
     4096 table's would be 0.5 GB in float32). Each chunk's norm in the tensors' dtype (float32
-    for bfloat16 and float16), the
-    chunks' sum in float64: about 1e-7 relative in float32, where one float32 reduction over a
-    45M-element weight drifts by 1e-3.
+    for bfloat16 and float16), the chunks' sum in float64: about 1e-7 relative in float32, where
+    one float32 reduction over a 45M-element weight drifts by 1e-3.
 
     >>> sq_distance(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 4.0]))
     4.0

@@ -22,7 +22,8 @@ from typing import Any
 
 from attnid.adapters.base import read_hf_config
 from attnid.checkpoint.load import open_checkpoint
-from attnid.checkpoint.output import check_out_dir
+from attnid.checkpoint.output import check_out_dir, write_certified
+from attnid.checkpoint.units import open_units
 from attnid.errors import require
 from attnid.progress import Progress
 from attnid.symmetry.rebalance import drop_key_bias as zero_free_key_bias
@@ -48,8 +49,6 @@ def canonicalize(in_dir: str | Path, out_dir: str | Path, *, drop_key_bias: bool
 
     ``None`` for an operation means: do it wherever it applies to the architecture.
     """
-    from attnid.checkpoint.output import write_certified
-    from attnid.checkpoint.units import open_units
     from attnid.whole.transforms.norms import fold_norm_gains, foldable
 
     start = time.perf_counter()

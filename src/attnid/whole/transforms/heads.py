@@ -85,14 +85,15 @@ def attention_gauge(m: ModelTensors, layer: int, g: Gauge) -> ModelTensors:
     from attnid.numerics import relative_error, tolerance
 
     w = _layer(m, layer)
+    w64 = w.to(torch.float64)
     try:
-        exact = apply_gauge(w.to(torch.float64), _cast(g, torch.float64))
-        stored = apply_gauge(w, _cast(g, w.W_Q.dtype))
+        exact = apply_gauge(w64, _cast(g, torch.float64))
+        stored = exact if w.W_Q.dtype == torch.float64 else apply_gauge(w, _cast(g, w.W_Q.dtype))
     except ValueError as e:
         raise AttnidError(f"layer {layer}: {e}") from None
     x = torch.randn(2, 8, w.spec.d_model, generator=torch.Generator().manual_seed(layer), dtype=torch.float64)
     with torch.no_grad():
-        before = w.to(torch.float64).to_module(copy=False)(x, causal=True)
+        before = w64.to_module(copy=False)(x, causal=True)
         after = exact.to_module(copy=False)(x, causal=True)
     err = relative_error(after, before)
     if not err <= tolerance(torch.float64):
