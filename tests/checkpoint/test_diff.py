@@ -183,6 +183,32 @@ def test_full_gl_rotation_of_qk_under_rope_is_caught(tmp_path, capsys, variant, 
         assert r["break"]["tensor"] == "model.layers.1.self_attn.q_proj.weight", r["break"]
 
 
+def test_probes_report_their_bound(tmp_path, capsys, variant, random_checkpoint, small):
+    """``--probes K``: the verdicts of the exact diff (a gauge certified, a nudged value
+    projection caught there), ``probes`` K and ``probe_bound`` the derived bound (docs/theory.md
+    §13.19), decreasing with the size of the break; exact: both null."""
+    from attnid.whole.fit.frame import accept_bound
+
+    src = random_checkpoint(small["llama"], tmp_path, "llama")
+    b = variant(src, tmp_path / "b", _gauged)
+
+    def nudge(t: dict[str, torch.Tensor]) -> None:
+        t["model.layers.1.self_attn.v_proj.weight"] = t["model.layers.1.self_attn.v_proj.weight"] * 1.1
+
+    bad = variant(src, tmp_path / "bad", other_fn=nudge)
+    code, r, err = _diff(capsys, src, b)
+    assert code == 0 and r["probes"] is None and r["probe_bound"] is None, (err, r and r["break"])
+    capsys.readouterr()
+    assert main(["diff", str(src), str(b), "--json", "--probes", "6"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    bound = r["probe_bound"]
+    assert r["probes"] == 6 and bound == {f"break_{c}x": accept_bound(6, c) for c in (2, 4, 8)}, r
+    assert 1 >= bound["break_2x"] > bound["break_4x"] > bound["break_8x"] > 0, bound
+    assert main(["diff", str(src), str(bad), "--json", "--probes", "6"]) == 1
+    r = json.loads(capsys.readouterr().out)
+    assert r["break"]["tensor"].startswith("model.layers.1.self_attn."), r["break"]
+
+
 # ---- a genuinely fine-tuned checkpoint ---------------------------------------------------------
 def test_fine_tuned_minilm_is_not_certified(minilm, tmp_path, capsys, variant):
     from attnid.paper.contrastive import batches, contrastive_loss, embed, line_pairs, load_encoder

@@ -106,6 +106,56 @@ def test_probed(family):
     assert first.tensor == name, first
 
 
+@pytest.mark.parametrize("family", ["llama-gqa", "gpt2-untied", "neox-parallel"])
+def test_probed_rotation_is_fitted_through_the_probes(family):
+    """Through probes, the rotation is the least-squares map through them (no d x d
+    decomposition), its ``Q^T Q = I`` residual is certified with the rest, and the element's
+    matrix (fitted on demand) still maps B onto A; a stream map that is no rotation (one
+    direction stretched by 5%) is refused."""
+
+    A = tiny_model(FAMILIES[family], seed=0)
+    el = element(A)
+    f = fit(TensorSource(A), TensorSource(T.apply_element(A, el)), probe_k=4)
+    assert f.rotation.endswith("(least squares through the probes)"), f.rotation
+    orth = [x for x in residuals(f) if x.invariant == "rotation Q^T Q = I"]
+    assert len(orth) == 1 and orth[0].residual <= f.tolerance / 2, orth
+    assert worst(f).residual <= f.tolerance, worst(f)
+    err = float((f.element.rotation - el.rotation.T).norm())
+    assert err < 1e-10, f"{family}: the fitted rotation is {err:.1e} from the rewrite's"
+    d = el.rotation.shape[0]
+    u = torch.randn(d, 1, generator=gen(4), dtype=torch.float64)
+    if family != "llama-gqa":  # LayerNorm: stretch a direction orthogonal to all-ones
+        u = u - u.mean()
+    S = torch.eye(d, dtype=torch.float64) + 0.05 * u @ u.T / (u.T @ u)
+    mt = T.ModelTensors.of(T.apply_element(A, el))
+    lay = mt.layout
+    rows = [f"{lay.tables[0]}.weight", *([] if lay.tied else [f"{lay.unembed.path}.weight"])]
+    B = mt.replace({n: mt.tensors[n] @ S for n in rows})  # the stream's rows stretched, not rotated
+    f = fit(TensorSource(A), TensorSource(B), probe_k=4)
+    assert worst(f).residual > f.tolerance, f"{family}: a stretched stream was certified ({f.rotation})"
+
+
+@pytest.mark.parametrize("sides", [1, 2])
+@pytest.mark.parametrize("rank", [1, 4])
+@pytest.mark.parametrize("k,factor", [(8, 3.0), (16, 2.0)])
+def test_the_probe_bound_holds(sides, rank, k, factor):
+    """`accept_bound` (docs/theory.md §13.19) against the rate at which ``k`` random probes
+    shrink a difference ``D`` (rank 1 or 4, one side ``D Z`` or both ``Z^T D Z``) by ``factor``
+    or more, over 20000 draws."""
+    from attnid.whole.fit.frame import accept_bound
+
+    d, n = 32, 20000
+    g = gen(rank * 10 + sides)
+    f64 = torch.float64
+    D = torch.randn(d, rank, generator=g, dtype=f64) @ torch.randn(rank, d, generator=g, dtype=f64)
+    Z = torch.randn(n, d, k, generator=g, dtype=torch.float64) / k**0.5
+    DZ = D @ Z
+    seen = (Z.mT @ DZ if sides == 2 else DZ).flatten(1).norm(dim=1) / D.norm()
+    rate = float((seen <= 1 / factor).double().mean())
+    bound = accept_bound(k, factor)
+    assert 0 < bound < 1 and rate <= bound + 3 * (bound / n) ** 0.5, (rate, bound)
+
+
 def test_shares_of_a_model_that_differs_for_real():
     """B: A rotated and permuted, then moved off the orbit a little: the rotation and the
     permutations explain most of the raw difference, the aligned distance is the move."""

@@ -29,6 +29,7 @@ from attnid.progress import Progress
 from attnid.symmetry.invariants import compare_layers as compare_layers
 from attnid.whole.fit.compare import UnitResult
 from attnid.whole.fit.fitter import Fit, fit
+from attnid.whole.fit.frame import accept_bound
 from attnid.whole.transforms.layout import Layout
 
 tolerance = rounding_tolerance  # the rounding level a certified residual may reach (the 2-eps rule)
@@ -118,7 +119,14 @@ def to_dict(a: Checkpoint, b: Checkpoint, units: Units, f: Fit) -> dict[str, Any
     return {"model_a": str(a.path), "model_b": str(b.path), "architecture": a.adapter.family,
             "dtype": str(f.dtype).split(".")[-1], "tolerance": tol, "certified": brk is None,
             "covers": covers(units.layout, f.rotation), "rotation": f.rotation,
-            "probes": f.probes, "break": brk, "other": other, "layers": rows}
+            "probes": f.probes, "probe_bound": probe_bound(f.probes), "break": brk, "other": other,
+            "layers": rows}
+
+
+def probe_bound(k: int | None) -> dict[str, float] | None:
+    """Through ``k`` probes: at most the probability of certifying a piece broken by 2, 4 and 8
+    times the tolerance (`attnid.whole.fit.frame.accept_bound`); None when exact."""
+    return None if k is None else {f"break_{c}x": accept_bound(k, c) for c in (2, 4, 8)}
 
 
 def _share(x: float, y: float, of: float) -> float:

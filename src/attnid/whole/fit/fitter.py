@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -29,9 +30,9 @@ from attnid.errors import AttnidError
 from attnid.numerics import rounding_tolerance as tolerance
 from attnid.numerics import sq_distance
 from attnid.whole.fit.compare import Residual, UnitResult, compare_item, compare_unit
-from attnid.whole.fit.frame import Frame, probe_count, probes
+from attnid.whole.fit.frame import Frame, Rotation, probe_count, probes
 from attnid.whole.fit.match import assignment
-from attnid.whole.fit.rotation import procrustes, rows
+from attnid.whole.fit.rotation import probed_least_squares, procrustes, rows
 from attnid.whole.fit.source import UnitSource
 from attnid.whole.transforms.element import GroupElement, LayerElement
 from attnid.whole.transforms.residual import rotation_refusal
@@ -80,13 +81,22 @@ def _load(src: UnitSource, unit: int, dtype: torch.dtype, check: bool = False) -
 
 @dataclass(frozen=True)
 class Fit:
-    element: GroupElement
     units: list[UnitResult]  # per unit: residuals (state_dict names), distances
     raw: list[float]  # per unit: ||B - A|| over the stored tensors
     tolerance: float
     dtype: torch.dtype
     probes: int | None  # None: exact (the whole stream)
     rotation: str  # "fitted on ..." or why the stream is not rotated
+    stream: Rotation | None  # the rotation the units were compared under
+    gains: dict[str, torch.Tensor]
+    layers: tuple[LayerElement, ...]
+
+    @cached_property
+    def element(self) -> GroupElement:
+        """The fitted element (its rotation's matrix fitted now where only its probed image
+        was: Procrustes on the same rows)."""
+        Q = None if self.stream is None else self.stream.matrix()
+        return GroupElement(rotation=Q, gains=self.gains, layers=self.layers)
 
 
 # ---- the rotation --------------------------------------------------------------------------------
@@ -154,6 +164,25 @@ def _procrustes(pairs: list[tuple[torch.Tensor | None, torch.Tensor | None]], la
     return procrustes(torch.cat(xb), torch.cat(xa), layer_norm)
 
 
+def _rotation(pairs: list[tuple[torch.Tensor | None, torch.Tensor | None]], layer_norm: bool,
+              Z: torch.Tensor | None, tol: float) -> Rotation | None:
+    """The rotation fitted on ``pairs`` of rows: with probes, the least-squares map through them
+    (`attnid.whole.fit.rotation.probed_least_squares`), kept while its orthogonality residual is
+    at most half the rounding level (B's rows an exact rotation of A's); otherwise, and
+    without probes, Procrustes (exactly orthogonal: the rows need not agree)."""
+    if Z is not None:
+        xa = [a for a, b in pairs if a is not None and b is not None]
+        xb = [b for a, b in pairs if a is not None and b is not None]
+        ls = probed_least_squares(torch.cat(xb), torch.cat(xa), Z, layer_norm) if xa else None
+        if ls is not None and ls[1] <= LEAST_SQUARES_DEFECT * tol:
+            return Rotation(QZ=ls[0], full=lambda: _procrustes(pairs, layer_norm), defect=ls[1])
+    Q = _procrustes(pairs, layer_norm)
+    return None if Q is None else Rotation(Q)
+
+
+LEAST_SQUARES_DEFECT = 0.5  # the least-squares rotation kept up to this share of the rounding level
+
+
 # ---- one unit --------------------------------------------------------------------------------------
 class _Fitter:
     def __init__(self, a: UnitSource, b: UnitSource, k: int | None, progress: Callable[[str], None] | None
@@ -171,8 +200,9 @@ class _Fitter:
         self.progress = progress or (lambda _: None)
         self.blame: dict[int, dict[str, str]] = {}
 
-    def frames(self, Q: torch.Tensor | None) -> tuple[Frame, Frame, Frame]:
-        return Frame(self.Z, None, self.cd), Frame(self.Z, Q, self.cd), Frame(self.Z, None, self.cd)
+    def frames(self, Q: Rotation | None) -> tuple[Frame, Frame, Frame]:
+        fb = Frame(self.Z, None, self.cd) if Q is None else Q.frame(self.Z, self.cd)
+        return Frame(self.Z, None, self.cd), fb, Frame(self.Z, None, self.cd)
 
     def canonical(self, m: ModelTensors, unit: int, frame: Frame, ignore_norm: bool = False) -> C.Canonical:
         if unit == 0:
@@ -188,7 +218,7 @@ class _Fitter:
             self.blame[i] = field_names(m, i)
         return self.blame[i]
 
-    def compare(self, ma: ModelTensors, mb: ModelTensors, unit: int, Q: torch.Tensor | None,
+    def compare(self, ma: ModelTensors, mb: ModelTensors, unit: int, Q: Rotation | None,
                 with_fixed: bool = True, ignore_norm: bool = False) -> UnitResult:
         fa, fb, f0 = self.frames(Q)
         ca = self.canonical(ma, unit, fa, ignore_norm)
@@ -260,12 +290,11 @@ def fit(a: UnitSource, b: UnitSource, *, probe_k: int | None = None,
     for u in range(L + 2):
         gains |= results[u][2]
     layers = tuple(r.element or LayerElement() for r in units[1:L + 1])
-    element = GroupElement(rotation=Q, gains=gains, layers=layers)
-    return Fit(element, units, [results[u][1] for u in range(L + 2)], f.tol, f.dtype,
-               None if f.Z is None else f.Z.shape[1], how)
+    return Fit(units, [results[u][1] for u in range(L + 2)], f.tol, f.dtype,
+               None if f.Z is None else f.Z.shape[1], how, Q, gains, layers)
 
 
-def _unit(f: _Fitter, u: int, Q: torch.Tensor | None, rot: _Rotations
+def _unit(f: _Fitter, u: int, Q: Rotation | None, rot: _Rotations
           ) -> tuple[UnitResult, float, dict[str, torch.Tensor]]:
     """One unit compared (leftover tensors and diagnoses included), its stored distance, and
     the norm gauges it holds."""
@@ -277,6 +306,8 @@ def _unit(f: _Fitter, u: int, Q: torch.Tensor | None, rot: _Rotations
         raise AttnidError(f"NaN or Inf in the tensors of unit {u}")
     r = f.compare(ma, mb, u, Q)
     r.residuals += _leftovers(f, a, ma, mb, u, r)
+    if u == 0 and Q is not None and Q.QZ is not None:  # fitted through the probes: Q^T Q = I checked
+        r.residuals.append(Residual(f"{f.lay.tables[0]}.weight", "rotation Q^T Q = I", Q.defect))
     note = rot.note(ma, mb, r) if u == 0 else None
     if note:  # the token table is where a forbidden rotation shows first
         token = f"{f.lay.tables[0]}.weight"
@@ -313,15 +344,19 @@ class _Rotations:
         eb, ub = table_rows(f.b, f.cd)
         self.E, self.U = (ea, eb), (ua, ub)
         self.ln = lay.norm == "layer"
-        self.both = _procrustes([self.E, self.U], self.ln)
         self.completed = ""
-        if self.both is not None and not self.why and _short(self.E, self.U, f.d - self.ln) and f.L:
-            self.both, self.completed = _completed(f, self.E, self.U, self.both, self.ln)
+        if not self.why and _short(self.E, self.U, f.d - self.ln) and f.L:
+            both = _procrustes([self.E, self.U], self.ln)
+            if both is not None:
+                both, self.completed = _completed(f, self.E, self.U, both, self.ln)
+            self.both = None if both is None else Rotation(both)
+        else:
+            self.both = _rotation([self.E, self.U], self.ln, f.Z, f.tol)
 
-    def first(self) -> tuple[torch.Tensor | None, str]:
+    def first(self) -> tuple[Rotation | None, str]:
         if self.why:
             return None, self.why
-        return self.both, "fitted on the embedding and unembedding rows" + self.completed
+        return self.both, _how("fitted on the embedding and unembedding rows" + self.completed, self.both)
 
     def note(self, ma: ModelTensors, mb: ModelTensors, r: UnitResult) -> str | None:
         """Where the stream may not rotate but B's tables are A's rotated: say so."""
@@ -332,20 +367,24 @@ class _Rotations:
             return None
         return f"B is A with its residual stream rotated, which is no symmetry here: {self.why}"
 
-    def best(self, units: list[int], Q: torch.Tensor, how: str) -> tuple[torch.Tensor, str]:
+    def best(self, units: list[int], Q: Rotation, how: str) -> tuple[Rotation, str]:
         f = self.f
         loaded = {u: (_load(f.a, u, f.cd, True), _load(f.b, u, f.cd, True)) for u in units}
-        cands = [(Q, how), (_procrustes([self.E], self.ln), "fitted on the embedding rows"),
-                 (_procrustes([self.U], self.ln), "fitted on the unembedding rows")]
+        cands = [(Q, how), (_rotation([self.E], self.ln, f.Z, f.tol), "fitted on the embedding rows"),
+                 (_rotation([self.U], self.ln, f.Z, f.tol), "fitted on the unembedding rows")]
         if 1 in loaded:
             rows_a, rows_b = (_layer_rows(m, 0, f.cd) for m in loaded[1])
-            cands.append((_procrustes([(rows_a, rows_b)], self.ln), "fitted on layer 0's rows"))
+            cands.append((_rotation([(rows_a, rows_b)], self.ln, f.Z, f.tol), "fitted on layer 0's rows"))
         score = {}
         for k, (R, _) in enumerate(cands):
             if R is not None:
                 score[k] = sum(_passing(f.compare(*loaded[u], u, R, with_fixed=False), f.tol) for u in units)
         k = max(score, key=lambda k: (score[k], -k))
-        return cands[k] if k else (Q, how)
+        return (cands[k][0], _how(*cands[k][::-1])) if k else (Q, how)
+
+
+def _how(text: str, R: Rotation | None) -> str:
+    return text if R is None or R.QZ is None else f"{text} (least squares through the probes)"
 
 
 RowPair = tuple[torch.Tensor | None, torch.Tensor | None]  # (A's rows, B's rows)
@@ -381,7 +420,7 @@ def _completed(f: _Fitter, E: RowPair, U: RowPair, Q: torch.Tensor, ln: bool) ->
                                                 f"{V.shape[1]} of {f.d} dimensions")
 
 
-def _diagnose(f: _Fitter, ma: ModelTensors, mb: ModelTensors, u: int, Q: torch.Tensor | None,
+def _diagnose(f: _Fitter, ma: ModelTensors, mb: ModelTensors, u: int, Q: Rotation | None,
               r: UnitResult) -> UnitResult:
     """The first break of a unit, named by a norm's tensor when the norm explains it: when its
     readers agree once their norm is left out of both models (readers compared as stored), its
@@ -405,14 +444,15 @@ def _diagnose(f: _Fitter, ma: ModelTensors, mb: ModelTensors, u: int, Q: torch.T
     return r
 
 
-def _gain_repairs(f: _Fitter, ma: ModelTensors, mb: ModelTensors, u: int, Q: torch.Tensor | None,
+def _gain_repairs(f: _Fitter, ma: ModelTensors, mb: ModelTensors, u: int, Q: Rotation | None,
                   r: UnitResult, k: int, nm) -> bool:
     """Whether B with ``nm``'s gain refitted (`attnid.whole.fit.gains.gain_fit`) passes every
     piece of the unit up to the break ``k`` (at ``GAIN_TOLERANCE`` times the rounding level)."""
     from attnid.whole.fit.gains import gain_fit
 
     layer = u - 1 if u <= f.L else None
-    fixed = gain_fit(ma, mb, layer, nm, Q, None if r.element is None else r.element.neurons)
+    fixed = gain_fit(ma, mb, layer, nm, None if Q is None else Q.matrix(),
+                     None if r.element is None else r.element.neurons)
     if fixed is None:
         return False
     again = f.compare(ma, fixed, u, Q, with_fixed=False).residuals
@@ -422,7 +462,7 @@ def _gain_repairs(f: _Fitter, ma: ModelTensors, mb: ModelTensors, u: int, Q: tor
 GAIN_TOLERANCE = 10  # the repaired pieces may reach 10 times the rounding level (a fitted gain)
 
 
-def _stored_norm(f: _Fitter, ma: ModelTensors, mb: ModelTensors, u: int, Q: torch.Tensor | None,
+def _stored_norm(f: _Fitter, ma: ModelTensors, mb: ModelTensors, u: int, Q: Rotation | None,
                  r: UnitResult, k: int, nm) -> tuple[str, str] | None:
     """(tensor, reason) when the readers as stored agree and the norm's stored gain or bias
     does not (see `_diagnose`), else None."""

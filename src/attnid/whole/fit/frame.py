@@ -17,6 +17,8 @@ identity and everything is exact.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -31,12 +33,53 @@ def probe_count(d: int, head_dims: int) -> int:
     return d if d <= EXACT_WIDTH else min(d, max(64, 2 * head_dims))
 
 
+def accept_bound(k: int, factor: float) -> float:
+    """At most the probability that the probes accept a piece broken by ``factor`` times the
+    tolerance (`docs/theory.md` §13.19, probes): a Chernoff bound on the lower tail of
+    ``chi^2_k / k`` at ``t``, ``exp(k/2 (1 - t + ln t))``, for the pieces probed on both sides
+    (``Z^T D Z``, the attention invariants, ``t = 1 / factor``, twice: either side may shrink)
+    and on one (``D Z``, rows and neurons, ``t = 1 / factor^2``); ``k`` is the narrowest probe
+    count in use (``min(k, NARROW)``)."""
+    if factor <= 1:
+        return 1.0
+    k = min(k, NARROW)
+    chernoff = lambda t: math.exp(k / 2 * (1 - t + math.log(t)))  # noqa: E731
+    return min(1.0, max(2 * chernoff(1 / factor), chernoff(1 / factor**2)))
+
+
 def probes(d: int, k: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor | None:
     """``Z [d, k]`` with ``E[Z Z^T] = I`` (None: the identity, when ``k >= d``)."""
     if k >= d:
         return None
     gen = torch.Generator().manual_seed(seed)
     return (torch.randn(d, k, generator=gen, dtype=torch.float64) / k**0.5).to(dtype)
+
+
+class Rotation:
+    """B's residual rotation into A's frame as the frames use it: the matrix ``Q [d, d]``, or
+    only its probed image ``Q Z [d, k]`` (fitted through the probes,
+    `attnid.whole.fit.rotation.probed_least_squares`), with ``defect`` its orthogonality
+    residual and ``Q`` itself fitted by ``full`` when first asked (the diagnosis of a break,
+    the element a fit returns)."""
+
+    def __init__(self, Q: torch.Tensor | None = None, *, QZ: torch.Tensor | None = None,
+                 full: Callable[[], torch.Tensor] | None = None, defect: float = 0.0) -> None:
+        if Q is None and (QZ is None or full is None):
+            raise ValueError("a Rotation needs Q, or QZ with a way to fit Q")
+        self._Q, self.QZ, self._full, self.defect = Q, QZ, full, defect
+
+    def matrix(self) -> torch.Tensor:
+        """``Q [d, d]`` (fitted once, when first asked, if only ``Q Z`` is held)."""
+        if self._Q is None:
+            assert self._full is not None
+            self._Q = self._full()
+        return self._Q
+
+    def frame(self, Z: torch.Tensor | None, dtype: torch.dtype) -> Frame:
+        """B's frame: ``Q Z`` as held when ``Z`` is the probes it was fitted through."""
+        if Z is not None and self.QZ is not None and self.QZ.shape == Z.shape:
+            return Frame(Z, None, dtype, self.QZ.to(dtype))
+        return Frame(Z, self.matrix(), dtype)
 
 
 @dataclass(frozen=True)

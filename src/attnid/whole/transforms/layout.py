@@ -13,7 +13,6 @@ Linear maps are handled as ``[out, in]`` matrices whatever their storage (GPT-2'
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
@@ -88,11 +87,15 @@ def layout_of(model: nn.Module) -> Layout:
                    final=None if lay.final is None else off(lay.final))
 
 
-@functools.cache
+_BUILT: dict[str, tuple[Layout, tuple[str, ...]]] = {}  # by config: two files of one config build once
+
+
 def _meta(config_json: str, source: str) -> tuple[Layout, tuple[str, ...]]:
-    with torch.device("meta"):  # the config keeps its file's name for transformers' refusals
-        model = new_hf_model(FileConfig(json.loads(config_json), source), head=True)
-    return layout_of(model), tuple(model.state_dict())
+    if config_json not in _BUILT:
+        with torch.device("meta"):  # the config keeps its file's name for transformers' refusals
+            model = new_hf_model(FileConfig(json.loads(config_json), source), head=True)
+        _BUILT[config_json] = layout_of(model), tuple(model.state_dict())
+    return _BUILT[config_json]
 
 
 def layout_for(config: dict[str, Any]) -> Layout:
