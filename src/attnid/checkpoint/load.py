@@ -136,7 +136,8 @@ def open_checkpoint(model: str | Path, *, purpose: str = "read") -> Checkpoint:
     for s in set(specs):  # sizes no file can hold (and torch cannot even describe)
         largest = max(math.prod(shape) for shape in s.param_shapes().values())
         if largest >= 2**62:
-            raise AttnidError(f"{source_of(config)}: its sizes give attention tensors of {largest:.3g} "
+            size = f"{largest:.3g}" if largest < 10**300 else f"about 1e{len(str(largest)) - 1}"
+            raise AttnidError(f"{source_of(config)}: its sizes give attention tensors of {size} "
                               f"elements ({s.describe()}), more than any checkpoint holds")
     index = open_files(root, files)
     config = with_head(config, index)  # "architectures": null (GGUF): the head from the tensors
