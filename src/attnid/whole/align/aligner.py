@@ -49,8 +49,8 @@ from attnid.whole.align.activations import (
 from attnid.whole.align.additive import fit_additive
 from attnid.whole.align.gauges import Kind, pair_fit, scalar_fit
 from attnid.whole.align.stream import ROUNDS, Pair, cross, fit_stream, gains_to, permuted, refit
-from attnid.whole.fit.frame import Frame
-from attnid.whole.fit.match import match_heads, match_neurons
+from attnid.whole.fit.frame import Frame, probes
+from attnid.whole.fit.match import SKETCH, match_heads, match_neurons
 from attnid.whole.fit.source import SplitSource, UnitSource
 from attnid.whole.transforms.element import GroupElement, LayerElement
 from attnid.whole.transforms.heads import head_permutation, query_key_transform, value_transform
@@ -164,8 +164,14 @@ def unit_distance(a: ModelTensors, b: ModelTensors, own: list[str]) -> float:
 
 # ---- 2. heads and neurons --------------------------------------------------------------------------
 def _frame(m: ModelTensors, i: int) -> Frame:
-    """The stored frame, in the dtype the layer is held in (float32 for a bfloat16 checkpoint)."""
-    return Frame(None, None, m.weight(m.layout.mlps[i][1]).dtype)
+    """The frame heads and neurons are matched in, in the dtype the layer is held in (float32
+    for a bfloat16 checkpoint): the stored one, or, for a stream wider than ``SKETCH``, one seen
+    through ``SKETCH`` random directions (the same for both models, whose streams are already
+    aligned), so that no gain-folded copy of a 7B layer's weights and no ``[H, d, SKETCH]``
+    product is ever formed (`attnid.whole.fit.match`: the costs sketch those widths anyway)."""
+    dtype = m.weight(m.layout.mlps[i][1]).dtype
+    d = m.spec(i).d_model
+    return Frame(probes(d, SKETCH, dtype) if d > SKETCH else None, None, dtype)
 
 
 def _heads(a: ModelTensors, b: ModelTensors, i: int) -> torch.Tensor:
@@ -176,7 +182,7 @@ def _heads(a: ModelTensors, b: ModelTensors, i: int) -> torch.Tensor:
 
 def _neurons(a: ModelTensors, b: ModelTensors, i: int) -> torch.Tensor:
     """Layer ``i``'s MLP neurons matched (the attention's copies let go first: a 7B layer)."""
-    return match_neurons(C.mlp(a, i, _frame(a, i)), C.mlp(b, i, _frame(b, i)))
+    return match_neurons(C.mlp(a, i, _frame(a, i), rows=SKETCH), C.mlp(b, i, _frame(b, i), rows=SKETCH))
 
 
 def fit_permutations(a: ModelTensors, b: ModelTensors, i: int, acts: Pair | None = None,
@@ -242,10 +248,20 @@ def _up(m: ModelTensors, i: int) -> tuple[torch.Tensor, torch.Tensor]:
     return X, m.weight(down).T
 
 
+def _sums(XA: torch.Tensor, XB: torch.Tensor, dim: int, block: int = 2048
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(|x_B|^2, <x_B, x_A>)`` of ``X [n, p]`` over ``dim`` (0: per column ``[p]``, 1: per row
+    ``[n]``), ``block`` rows at a time: no full-size product of a 7B layer's weights."""
+    parts = [((xb**2).sum(dim), (xb * xa).sum(dim))
+             for xa, xb in zip(XA.split(block), XB.split(block), strict=True)]
+    if dim == 0:
+        return sum(p[0] for p in parts), sum(p[1] for p in parts)  # type: ignore[return-value]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
 def fit_mlp(a: ModelTensors, b: ModelTensors, i: int) -> tuple[ModelTensors, torch.Tensor]:
     (XA, YA), (XB, YB) = _up(a, i), _up(b, i)
-    c = scalar_fit((XB**2).sum(1), (XB * XA).sum(1), (YB**2).sum(1), (YB * YA).sum(1),
-                   positive=b.layout.mlp == "relu")
+    c = scalar_fit(*_sums(XA, XB, 1), *_sums(YA, YB, 1), positive=b.layout.mlp == "relu")
     return mlp_scaling(b, i, c), c
 
 
@@ -255,14 +271,13 @@ def fit_norms(a: ModelTensors, b: ModelTensors) -> tuple[ModelTensors, dict[str,
     for nm in b.layout.norms:
         if not foldable(nm) or f"{nm.path}.weight" not in b:
             continue
-        readers = {r.path: r for r in nm.readers if b.has(r)}.values()
+        readers = list({r.path: r for r in nm.readers if b.has(r)}.values())
 
-        def sides(m: ModelTensors, nm=nm, readers=readers) -> tuple[torch.Tensor, torch.Tensor]:
-            x = [m.gain(nm)] + ([] if m.norm_bias(nm) is None else [m.norm_bias(nm)])
-            return torch.stack(x, 1), torch.cat([m.weight(r).T for r in readers], 1)  # [d, 1|2], [d, n]
+        def gains(m: ModelTensors, nm=nm) -> torch.Tensor:
+            return torch.stack([m.gain(nm)] + ([] if m.norm_bias(nm) is None else [m.norm_bias(nm)]), 1)
 
-        (XA, YA), (XB, YB) = sides(a), sides(b)
-        s = scalar_fit((XB**2).sum(1), (XB * XA).sum(1), (YB**2).sum(1), (YB * YA).sum(1))
+        col = [_sums(a.weight(r), b.weight(r), 0) for r in readers]  # per stream coordinate [d]
+        s = scalar_fit(*_sums(gains(a), gains(b), 1), sum(x[0] for x in col), sum(x[1] for x in col))
         b = norm_gain_transfer(b, nm.path, s)
         out[nm.path] = s
     return b, out

@@ -30,7 +30,7 @@ import torch
 
 from attnid.symmetry.invariants import effective_out_bias
 from attnid.weights import AttentionWeights
-from attnid.whole.fit.frame import Frame
+from attnid.whole.fit.frame import NARROW, Frame
 from attnid.whole.transforms.layout import Lin, Norm
 from attnid.whole.transforms.state import ModelTensors
 
@@ -311,8 +311,9 @@ def attention(m: ModelTensors, layer: int, frame: Frame, blame_of: dict[str, str
     return Attention(wc, names, frame.Z is not None), handed, hscale
 
 
-def mlp(m: ModelTensors, layer: int, frame: Frame, *, ignore_norm: bool = False) -> MLP:
-    frame = frame.narrow()
+def mlp(m: ModelTensors, layer: int, frame: Frame, *, ignore_norm: bool = False, rows: int = NARROW) -> MLP:
+    """Layer ``layer``'s gauge-fixed MLP through the frame's first ``rows`` probes."""
+    frame = frame.narrow(rows)
     cd = frame.dtype
     lay = m.layout
     up, down = lay.mlps[layer]
