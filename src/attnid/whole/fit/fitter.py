@@ -272,7 +272,10 @@ def fit(a: UnitSource, b: UnitSource, *, probe_k: int | None = None,
     # disagree with the rotation, the candidate more of them agree with is kept
     first = list(dict.fromkeys(u for u in (0, L + 1, 1, 2) if u <= L + 1))
     results: dict[int, tuple[UnitResult, float, dict[str, torch.Tensor]]] = {}
-    for u in [*first, *(u for u in range(1, L + 1) if u not in first)]:
+    order = [*first, *(u for u in range(1, L + 1) if u not in first)]
+    for k, u in enumerate(order):
+        if k + 1 < len(order):  # the next unit is read from disk while this one is compared
+            a.prefetch(order[k + 1]), b.prefetch(order[k + 1])
         results[u] = _unit(f, u, Q, rot)
         f.progress(f"unit {u} of {L + 1}: worst residual {_worst(results[u][0]):.2e}")
         if u == first[-1] and Q is not None and any(_worst(results[x][0]) > f.tol for x in first):
