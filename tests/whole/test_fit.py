@@ -135,6 +135,27 @@ def test_probed_rotation_is_fitted_through_the_probes(family):
     assert worst(f).residual > f.tolerance, f"{family}: a stretched stream was certified ({f.rotation})"
 
 
+def test_probed_distances_estimate_the_exact_ones():
+    """Width 640 through 256 probes (64 for the unrotated pass, whose distance only the rotation's
+    share uses): B = A rotated, permuted and moved off its orbit; each layer's distances through
+    the probes are within 25% of the exact ones (``--probes`` at the full width)."""
+    config = dict(FAMILIES["llama-gqa"], hidden_size=640, intermediate_size=64, vocab_size=1536,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    A = tiny_model(config, seed=0)
+    g = element(A)
+    B = T.ModelTensors.of(T.apply_element(A, T.GroupElement(rotation=g.rotation, layers=tuple(
+        T.LayerElement(heads=le.heads, neurons=le.neurons) for le in g.layers))))
+    noise = {k: v + 0.3 * v.std() * torch.randn(v.shape, generator=gen(5), dtype=v.dtype)
+             for k, v in B.tensors.items() if ".layers." in k and v.ndim == 2}
+    exact = fit(TensorSource(A), TensorSource(B.replace(noise)), probe_k=640)
+    probed = fit(TensorSource(A), TensorSource(B.replace(noise)), probe_k=256)
+    assert exact.probes is None and probed.probes == 256
+    for u in (1, 2):
+        for stage in ("fixed", "rotated", "aligned"):
+            e, p = (f.units[u].distances[stage] ** 0.5 for f in (exact, probed))
+            assert abs(p / e - 1) < 0.25, f"layer {u - 1} {stage}: probed {p:.3g} vs exact {e:.3g}"
+
+
 @pytest.mark.parametrize("sides", [1, 2])
 @pytest.mark.parametrize("rank", [1, 4])
 @pytest.mark.parametrize("k,factor", [(8, 3.0), (16, 2.0)])

@@ -29,6 +29,9 @@ def diff_cmd(
     from attnid.errors import require_extras
 
     require_extras("hf", what="attnid diff")
+    from attnid.allocator import keep_freed_memory
+
+    keep_freed_memory()  # a streamed pass: freed blocks reused, not mapped afresh per unit
     a, b = open_checkpoint(model_a), open_checkpoint(model_b)
     r = diff(a, b, probes=probes, progress=sized_progress(model_a, model_b, above=2**28))
     if json_out:

@@ -64,8 +64,11 @@ def _sq(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
 def compare_item(a: Item, b: Item, b_fixed: Item | None) -> UnitResult:
     r = UnitResult([Residual(a.blame, a.what or "tensor", _rel(a.value, b.value, max(a.scale, b.scale)))])
     d = _sq(a.value, b.value)
-    r.add({"fixed": d if b_fixed is None else _sq(a.value, b_fixed.value), "rotated": d,
-           "permuted": d, "aligned": d})
+    fixed = d
+    if b_fixed is not None:  # B unrotated, maybe through fewer probes (the stream is the last axis)
+        k, K = b_fixed.value.shape[-1], a.value.shape[-1]
+        fixed = _sq(a.value if k == K else a.value[..., :k] * (K / k) ** 0.5, b_fixed.value)
+    r.add({"fixed": fixed, "rotated": d, "permuted": d, "aligned": d})
     return r
 
 
@@ -79,6 +82,16 @@ def narrow(w: AttentionWeights, k: int) -> AttentionWeights:
     if w.b_O is not None:
         new["b_O"] = w.b_O[..., :k]
     return AttentionWeights(replace(w.spec, d_model=k), **{n: new.get(n, t) for n, t in w.items()})
+
+
+def narrowed(w: AttentionWeights, k: int) -> AttentionWeights:
+    """`narrow`, rescaled by ``sqrt(K / k)`` so that squared distances through the ``k``
+    probes still estimate those through all ``K`` (`attnid.whole.fit.frame.Frame.narrow`)."""
+    if w.spec.d_model <= k:
+        return w
+    n = narrow(w, k)
+    c = (w.spec.d_model / k) ** 0.5
+    return n.replace(**{f: t * c for f, t in n.items() if f in ("W_Q", "W_K", "W_V", "W_O", "b_O")})
 
 
 def permute_heads(w: AttentionWeights, perm: torch.Tensor) -> AttentionWeights:
@@ -141,7 +154,8 @@ def compare_attention(a: Attention, b: Attention, b_fixed: Attention | None, tol
             out.residuals.append(Residual(_blame_attention(name, a, B, M, C, tol), name,
                                           float(t.max()), int(t.argmax())))
     aligned = align(A, B)
-    out.add({"fixed": distance(A, (b_fixed or b).w) ** 2, "rotated": distance(A, b.w) ** 2,
+    fixed = distance(A, b.w) if b_fixed is None else distance(narrowed(A, b_fixed.w.spec.d_model), b_fixed.w)
+    out.add({"fixed": fixed**2, "rotated": distance(A, b.w) ** 2,
              "permuted": distance(A, B) ** 2, "aligned": min(distance(A, aligned), distance(A, B)) ** 2})
     return out, perm, M, C
 

@@ -224,7 +224,10 @@ class _Fitter:
         ca = self.canonical(ma, unit, fa, ignore_norm)
         cb = self.canonical(mb, unit, fb, ignore_norm)
         layer = 0 < unit <= self.L  # the rotation's share is reported per layer
-        c0 = self.canonical(mb, unit, f0, ignore_norm) if with_fixed and layer and Q is not None else None
+        # B unrotated, for the rotation's share only: a distance estimate, so through NARROW probes
+        c0 = None
+        if with_fixed and layer and Q is not None:
+            c0 = self.canonical(mb, unit, f0.narrow(), ignore_norm)
         r = compare_unit(ca, cb, c0, self.tol)
         r.covered = ca.covered
         return r
