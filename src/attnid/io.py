@@ -20,8 +20,6 @@ library's message allows it, the tensor and the field).
 from __future__ import annotations
 
 import json
-import math
-import os
 import re
 import struct
 import sys
@@ -112,23 +110,6 @@ class TensorFile:
             raise AttnidError(f"{self.path}: tensor {name} cannot be read ({self._info[name].dtype}): "
                               f"{e}") from None
 
-
-    def prefetch(self, name: str) -> None:
-        """Ask the kernel to start reading one tensor's bytes into the page cache now
-        (``posix_fadvise(WILLNEED)``; nothing where that is missing): a later `tensor` finds them
-        there, so reading the next unit overlaps the work on this one."""
-        if not hasattr(os, "posix_fadvise") or name not in self._start:
-            return
-        info = self._info[name]
-        size = math.prod(info.shape) * (DTYPES[info.dtype].itemsize if info.dtype in DTYPES else 1)
-        try:
-            fd = os.open(self.path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, self._start[name], size, os.POSIX_FADV_WILLNEED)
-            finally:
-                os.close(fd)
-        except OSError:  # a hint only
-            pass
 
     def _read(self, name: str, shape: tuple[int, ...], row: int) -> torch.Tensor:
         """``shape`` worth of a floating tensor's bytes from row ``row`` on, read into a new

@@ -64,10 +64,6 @@ class Checkpoint:
         t = self.index[name].tensor(name)
         return self._finite(name, t) if check else t
 
-    def prefetch(self, name: str) -> None:
-        """Start reading a tensor's bytes in the background (`attnid.io.TensorFile.prefetch`)."""
-        self.index[name].prefetch(name)
-
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` of a tensor (only those are read), checked like `tensor`."""
         return self._finite(name, self.index[name].rows(name, start, stop))

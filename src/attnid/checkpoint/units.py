@@ -54,11 +54,6 @@ class Units:
             out[n] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
         return ModelTensors(self.layout, out, self.ck.config)
 
-    def prefetch(self, unit: int) -> None:
-        """Start reading a unit's tensors in the background (what `load` will read)."""
-        for n in [*self.names(unit), *(x for x in unit_extras(self.layout, unit) if x in self.to_ck)]:
-            self.ck.prefetch(self.to_ck[n])
-
     def dtype(self) -> torch.dtype:
         return self.ck.dtype()
 

@@ -201,8 +201,8 @@ class _Fitter:
         self.blame: dict[int, dict[str, str]] = {}
 
     def frames(self, Q: Rotation | None) -> tuple[Frame, Frame, Frame]:
-        fb = Frame(self.Z, None, self.cd) if Q is None else Q.frame(self.Z, self.cd)
-        return Frame(self.Z, None, self.cd), fb, Frame(self.Z, None, self.cd)
+        plain = Frame(self.Z, None, self.cd)  # A's, and B's unrotated
+        return plain, plain if Q is None else Q.frame(self.Z, self.cd), plain
 
     def canonical(self, m: ModelTensors, unit: int, frame: Frame, ignore_norm: bool = False) -> C.Canonical:
         if unit == 0:
@@ -275,10 +275,7 @@ def fit(a: UnitSource, b: UnitSource, *, probe_k: int | None = None,
     # disagree with the rotation, the candidate more of them agree with is kept
     first = list(dict.fromkeys(u for u in (0, L + 1, 1, 2) if u <= L + 1))
     results: dict[int, tuple[UnitResult, float, dict[str, torch.Tensor]]] = {}
-    order = [*first, *(u for u in range(1, L + 1) if u not in first)]
-    for k, u in enumerate(order):
-        if k + 1 < len(order):  # the next unit is read from disk while this one is compared
-            a.prefetch(order[k + 1]), b.prefetch(order[k + 1])
+    for u in [*first, *(u for u in range(1, L + 1) if u not in first)]:
         results[u] = _unit(f, u, Q, rot)
         f.progress(f"unit {u} of {L + 1}: worst residual {_worst(results[u][0]):.2e}")
         if u == first[-1] and Q is not None and any(_worst(results[x][0]) > f.tol for x in first):

@@ -27,8 +27,6 @@ class UnitSource(Protocol):
 
     def names(self, unit: int) -> list[str]: ...
 
-    def prefetch(self, unit: int) -> None: ...
-
     def dtype(self) -> torch.dtype: ...
 
     def label(self, name: str) -> str: ...
@@ -90,9 +88,6 @@ class TensorSource:
 
     def names(self, unit: int) -> list[str]:
         return [n for n, u in self.unit_of.items() if u == unit]
-
-    def prefetch(self, unit: int) -> None:
-        """Nothing to read ahead: the model is in memory."""
 
     def dtype(self) -> torch.dtype:
         return next(t.dtype for t in self.m.tensors.values() if t.is_floating_point())
