@@ -1,5 +1,7 @@
 """`attnid.allocator.keep_freed_memory`: on Linux with glibc, freed large blocks are reused, so
-a loop that allocates and frees the same 64 MiB tensor stops faulting fresh pages in."""
+a loop that allocates and frees the same 64 MiB tensor faults far fewer fresh pages in: all 20
+blocks by default, 2 to 8 of them with it in runs on the 2-core machine (beside other work the
+kernel's memory reclaimer pages some freed heap blocks out again, so the count varies)."""
 
 import subprocess
 import sys
@@ -8,6 +10,7 @@ import pytest
 
 LOOP = """
 import resource, sys, torch
+torch.set_num_threads(1)
 if sys.argv[1] == "keep":
     from attnid.allocator import keep_freed_memory
     assert keep_freed_memory()
@@ -25,4 +28,4 @@ def test_freed_memory_is_reused():
                                       check=True).stdout) for how in ("default", "keep")}
     pages = 20 * 2**26 // 4096  # what faulting every block in afresh costs
     assert faults["default"] > pages // 2, faults  # glibc's default: every block from the kernel
-    assert faults["keep"] < pages // 5, faults  # measured: 2 of the 20 blocks
+    assert faults["keep"] < pages // 2, faults  # under a half: at most 8 of the 20 blocks seen
