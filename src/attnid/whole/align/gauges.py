@@ -16,13 +16,13 @@ quartic ``a c^4 - b c^3 + q c - p = 0`` of its stationary points, solved exactly
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
 from attnid.rope import plane_dims, project_commutant
 from attnid.spec import AttentionSpec
-from attnid.symmetry.invariants import _fit
 from attnid.whole.fit.rotation import polar
 
 Kind = Literal["orthogonal", "gl"]
@@ -35,17 +35,54 @@ def objective(XB: torch.Tensor, XA: torch.Tensor, YB: torch.Tensor, YA: torch.Te
     return ((XB @ M - XA) ** 2).sum((-2, -1)) + ((YB @ inv_t - YA) ** 2).sum((-2, -1))
 
 
-def _orthogonal(XB: torch.Tensor, XA: torch.Tensor, YB: torch.Tensor, YA: torch.Tensor,
-                spec: AttentionSpec | None) -> torch.Tensor:
+@dataclass(frozen=True)
+class Grams:
+    """What the pair problem sees of ``X, Y [G, n, k]`` (float64): ``X_B^T X_B``, ``X_B^T X_A``
+    ``[G, k, k]`` and ``||X_A||^2 [G]``, the same for ``Y``. The objective is a quadratic form
+    in ``M`` and ``M^{-T}``, so every fit runs on these ``k x k`` blocks: at 7B widths (``n`` =
+    4,097, ``k`` = 128) one evaluation costs ``G k^3`` instead of ``G n k^2`` (32 times less),
+    and the L-BFGS refinement's sixty-odd evaluations no longer dominate aligning a layer."""
+
+    xx: torch.Tensor
+    xa: torch.Tensor
+    aa: torch.Tensor
+    yy: torch.Tensor
+    ya: torch.Tensor
+    bb: torch.Tensor
+
+    @classmethod
+    def of(cls, XB: torch.Tensor, XA: torch.Tensor, YB: torch.Tensor, YA: torch.Tensor,
+           block: int = 8) -> Grams:
+        """Summed in float64, ``block`` groups at a time (no float64 copy of a whole layer)."""
+        parts = []
+        for xb, xa, yb, ya in zip(*(t.split(block) for t in (XB, XA, YB, YA)), strict=True):
+            xb, xa, yb, ya = (t.to(torch.float64) for t in (xb, xa, yb, ya))
+            parts.append((xb.mT @ xb, xb.mT @ xa, (xa**2).sum((-2, -1)),
+                          yb.mT @ yb, yb.mT @ ya, (ya**2).sum((-2, -1))))
+        return cls(*(torch.cat(p) for p in zip(*parts, strict=True)))
+
+    def objective(self, M: torch.Tensor) -> torch.Tensor:
+        """``[G]`` :func:`objective` from the blocks (``M`` float64): ``tr(M^T X_B^T X_B M) -
+        2 tr(M^T X_B^T X_A) + ||X_A||^2``, and the same in ``M^{-T}`` for ``Y``; exact up to
+        the cancellation of its terms (about ``eps ||X_A||^2``)."""
+        N = torch.linalg.inv(M).mT
+
+        def side(B: torch.Tensor, C: torch.Tensor, a: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
+            return ((B @ P) * P).sum((-2, -1)) - 2 * (C * P).sum((-2, -1)) + a
+
+        return side(self.xx, self.xa, self.aa, M) + side(self.yy, self.ya, self.bb, N)
+
+
+def _orthogonal(g: Grams, spec: AttentionSpec | None) -> torch.Tensor:
     """Procrustes on ``[X; Y]``, in the RoPE commutant when ``spec`` rotates dims."""
-    S = torch.cat([XB, YB], -2).mT @ torch.cat([XA, YA], -2)  # [G, k, k]
+    S = g.xa + g.ya  # [G, k, k]: [X_B; Y_B]^T [X_A; Y_A]
     r = 0 if spec is None else spec.rope_dims
     if r == 0:
         return torch.stack([polar(s) for s in S])
     M = torch.zeros_like(S)
     if r < S.shape[-1]:
         M[..., r:, r:] = torch.stack([polar(s[r:, r:]) for s in S])
-    i1, i2 = plane_dims(spec)
+    i1, i2 = plane_dims(spec)  # type: ignore[arg-type]
     a = S[..., i1, i1] + S[..., i2, i2]  # <x1, y1> + <x2, y2> per plane
     b = S[..., i1, i2] - S[..., i2, i1]
     n = (a**2 + b**2).sqrt().clamp_min(1e-300)
@@ -54,33 +91,47 @@ def _orthogonal(XB: torch.Tensor, XA: torch.Tensor, YB: torch.Tensor, YA: torch.
     return M
 
 
-def _one_sided(XB: torch.Tensor, XA: torch.Tensor, spec: AttentionSpec | None) -> torch.Tensor:
-    if spec is None:
-        return torch.linalg.lstsq(XB, XA).solution
-    return _fit(XB, XA, spec)
+def _one_sided(g: Grams, spec: AttentionSpec | None) -> torch.Tensor:
+    """``argmin ||X_B M - X_A||`` (in the RoPE commutant under ``spec``) from the normal
+    equations ``X_B^T X_B M = X_B^T X_A``."""
+    r = 0 if spec is None else spec.rope_dims
+    if r == 0:
+        return torch.linalg.lstsq(g.xx, g.xa).solution
+    M = torch.zeros_like(g.xa)
+    if r < M.shape[-1]:
+        M[..., r:, r:] = torch.linalg.lstsq(g.xx[..., r:, r:], g.xa[..., r:, r:]).solution
+    i1, i2 = plane_dims(spec)  # type: ignore[arg-type]
+    den = (g.xx[..., i1, i1] + g.xx[..., i2, i2]).clamp_min(1e-300)
+    a = (g.xa[..., i1, i1] + g.xa[..., i2, i2]) / den
+    b = (g.xa[..., i1, i2] - g.xa[..., i2, i1]) / den
+    M[..., i1, i1], M[..., i2, i2], M[..., i1, i2], M[..., i2, i1] = a, a, b, -b
+    return M
 
 
 def pair_fit(XB: torch.Tensor, XA: torch.Tensor, YB: torch.Tensor, YA: torch.Tensor, kind: Kind,
              spec: AttentionSpec | None = None, steps: int = 60) -> torch.Tensor:
-    """``M [G, k, k]`` minimising :func:`objective` (see the module); ``spec``: stay in its
-    RoPE commutant (Q/K)."""
-    M = _orthogonal(XB, XA, YB, YA, spec)
-    if kind == "orthogonal":
-        return M
-    cands = [M]
-    ls = _one_sided(XB, XA, spec)
-    if bool(torch.isfinite(ls).all()) and bool((torch.linalg.svdvals(ls)[..., -1] > 1e-8).all()):
-        cands.append(ls)
-    costs = torch.stack([objective(XB, XA, YB, YA, c) for c in cands])  # [n, G]
-    best = torch.stack([cands[int(k)][g] for g, k in enumerate(costs.argmin(0))])
-    return _refine(XB, XA, YB, YA, best, spec, steps)
+    """``M [G, k, k]`` minimising :func:`objective` (see the module), in ``XB``'s dtype;
+    ``spec``: stay in its RoPE commutant (Q/K). Fitted on the float64 `Grams`."""
+    g = Grams.of(XB, XA, YB, YA)
+    M = _orthogonal(g, spec)
+    if kind == "gl":
+        cands = [M]
+        ls = _one_sided(g, spec)
+        if bool(torch.isfinite(ls).all()) and bool((torch.linalg.svdvals(ls)[..., -1] > 1e-8).all()):
+            cands.append(ls)
+        costs = torch.stack([g.objective(c) for c in cands])  # [n, G]
+        best = torch.stack([cands[int(k)][i] for i, k in enumerate(costs.argmin(0))])
+        M = _refine(XB, XA, YB, YA, g, best, spec, steps)
+    return M.to(XB.dtype)
 
 
-def _refine(XB: torch.Tensor, XA: torch.Tensor, YB: torch.Tensor, YA: torch.Tensor, M0: torch.Tensor,
-            spec: AttentionSpec | None, steps: int) -> torch.Tensor:
-    """L-BFGS from ``M0`` (each group kept only where it improves)."""
-    start = objective(XB, XA, YB, YA, M0)
-    scale = float(sum((t**2).sum() for t in (XA, YA)))
+def _refine(XB: torch.Tensor, XA: torch.Tensor, YB: torch.Tensor, YA: torch.Tensor, g: Grams,
+            M0: torch.Tensor, spec: AttentionSpec | None, steps: int) -> torch.Tensor:
+    """L-BFGS from ``M0`` on the blocks ``g``; each group kept only where it improves, judged
+    by :func:`objective` on the weights themselves (the blocks' cancellation cannot tell two
+    fits apart at rounding)."""
+    start = objective(XB, XA, YB, YA, M0.to(XB.dtype))
+    scale = float(g.aa.sum() + g.bb.sum())
     if steps == 0 or float(start.max()) <= 1e-24 * max(scale, 1e-300):
         return M0
     P = M0.clone().requires_grad_(True)
@@ -90,7 +141,7 @@ def _refine(XB: torch.Tensor, XA: torch.Tensor, YB: torch.Tensor, YA: torch.Tens
 
     def closure() -> torch.Tensor:
         opt.zero_grad()
-        loss = objective(XB, XA, YB, YA, project(P)).sum() / max(scale, 1e-300)
+        loss = g.objective(project(P)).sum() / max(scale, 1e-300)
         loss.backward()
         return loss
 
@@ -102,7 +153,7 @@ def _refine(XB: torch.Tensor, XA: torch.Tensor, YB: torch.Tensor, YA: torch.Tens
     if not bool(torch.isfinite(M).all()):
         return M0
     with torch.no_grad():
-        end = objective(XB, XA, YB, YA, M)
+        end = objective(XB, XA, YB, YA, M.to(XB.dtype))
     keep = (end < start) & torch.isfinite(end)
     return torch.where(keep[:, None, None], M, M0)
 
