@@ -41,8 +41,13 @@ def assignment(cost: torch.Tensor) -> torch.Tensor:
 def _sqdist(X: torch.Tensor, Y: torch.Tensor) -> torch.Tensor:
     """``[n, m]`` relative squared distances between rows of ``X [n, p]`` and ``Y [m, p]``."""
     nx, ny = (X**2).sum(1), (Y**2).sum(1)
-    total = nx[:, None] + ny[None, :]
-    return (total - 2 * X @ Y.T).clamp_min(0) / total.clamp_min(1e-300)
+    return _relative(X @ Y.T, nx[:, None] + ny[None, :])
+
+
+def _relative(cross: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """``(total - 2 cross) / total``, clamped at 0, in place (both ``[n, m]``, both overwritten:
+    an ``[11008, 2048]`` temporary is 90 MB, and each new one costs page faults)."""
+    return cross.mul_(-2).add_(total).clamp_min_(0).div_(total.clamp_min_(1e-300))
 
 
 SKETCH = 256  # wider streams: each head's [k, k] products are taken times a random [k, SKETCH]
@@ -122,9 +127,7 @@ def _pair_cost(fa: tuple[torch.Tensor, torch.Tensor | None], fb: tuple[torch.Ten
     a2 = a2[rows]
     na = (a**2).sum(1) * (a2**2).sum(1)  # |u d^T|^2 = |u|^2 |d|^2
     nb = (b**2).sum(1) * (b2**2).sum(1)
-    cross = (a @ b.T) * (a2 @ b2.T)
-    total = na[:, None] + nb[None, :]
-    return (total - 2 * cross).clamp_min(0) / total.clamp_min(1e-300)
+    return _relative((a @ b.T).mul_(a2 @ b2.T), na[:, None] + nb[None, :])
 
 
 def _diagonal(fa: tuple[torch.Tensor, torch.Tensor | None], fb: tuple[torch.Tensor, torch.Tensor | None]

@@ -28,7 +28,10 @@ def rows(X: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def procrustes(XB: torch.Tensor, XA: torch.Tensor, layer_norm: bool) -> torch.Tensor:
-    """``Q [d, d]`` orthogonal minimising ``||XB Q - XA||`` (``Q 1 = 1`` under LayerNorm)."""
+    """``Q [d, d]`` orthogonal minimising ``||XB Q - XA||`` (``Q 1 = 1`` under LayerNorm): the
+    identity, with no ``d x d`` decomposition, when the rows are equal (the distance is then 0)."""
+    if torch.equal(XB, XA):
+        return torch.eye(XB.shape[1], dtype=XB.dtype)
     return procrustes_cross(XB.T @ XA, layer_norm)
 
 
