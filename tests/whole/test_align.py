@@ -265,3 +265,40 @@ def test_the_stream_refinement_stops_at_the_storage_rounding(same, monkeypatch):
         assert rel <= eps / 2 and out.passes == 1 and not refits, got
     else:
         assert rel > eps / 2 and refits, got
+
+
+def test_a_unit_at_rounding_adds_a_own_gram_to_the_refit(monkeypatch):
+    """B with A's tables and final norm (unit 0 within rounding: its cross product is skipped in
+    the pass, and A's own Gram added when a round is tried) and another model's layers: the
+    cross product the first round is refitted on is the exact one (every unit's, B's aligned
+    tensors against A's) to bfloat16's rounding, and far from the one without the skipped terms."""
+    import attnid.whole.align.aligner as aligner
+    from attnid.whole.fit.source import SplitSource
+
+    A, O = (tiny_model(FAMILIES["llama-gqa"], seed=s) for s in (0, 1))
+    a, o = (_stored(T.ModelTensors.of(x), torch.bfloat16) for x in (A, O))
+    tables = {n for n in a.tensors if "embed" in n or "lm_head" in n or n == "model.norm.weight"}
+    b = T.ModelTensors(a.layout, {n: (a if n in tables else o).tensors[n] for n in a.tensors}, a.config)
+    crossed, refitted, align_unit, refit = [], [], aligner.align_unit, aligner.refit
+
+    def run(exact: bool):
+        def unit(*x, **k):
+            r = align_unit(*x, **(k | {"cross_above": -1.0} if exact else k))
+            crossed.append((exact, x[2], r.cross))
+            return r
+
+        monkeypatch.setattr(aligner, "align_unit", unit)
+        monkeypatch.setattr(aligner, "refit", lambda M, *x: refitted.append(M) or refit(M, *x))
+        aligner.align_sources(SplitSource(a), SplitSource(b), _Counted(SplitSource(b).count),
+                              subgroup="full", dtype=torch.float32)
+    run(False)
+    n_lazy = len(refitted)
+    run(True)
+    lazy, exact = refitted[0], refitted[n_lazy]  # each run's first refit
+    skipped = [u for e, u, c in crossed if not e and c is None]
+    assert 0 in skipped and n_lazy >= 1, f"units without a cross product {skipped}, {n_lazy} refits"
+    first = sum(c for e, u, c in crossed[:SplitSource(b).count] if c is not None)  # the first pass's
+    err = float((lazy - exact).norm() / exact.norm())
+    without = float((first - exact).norm() / exact.norm())
+    assert err < torch.finfo(torch.bfloat16).eps and without > 100 * err, (
+        f"the refit's cross product is {err:.1e} from the exact one ({without:.1e} without units {skipped})")

@@ -330,10 +330,11 @@ class UnitAligned:
 
 
 def align_unit(a: ModelTensors, b: ModelTensors, unit: int, own: list[str], plan: Plan,
-               with_cross: bool = False) -> UnitAligned:
+               with_cross: bool = False, cross_above: float = 0.0) -> UnitAligned:
     """Unit ``unit`` of B (its ``own`` tensors and the extras it reads) aligned onto A's by
     ``plan`` and then every later part of the group (each acts within a unit, so a whole model
-    is aligned unit by unit; docs/theory.md §13.20)."""
+    is aligned unit by unit; docs/theory.md §13.20). ``with_cross``: also the stream cross
+    product, unless the aligned unit is within ``cross_above`` of ``||A||`` over the unit."""
     lay, subgroup = b.layout, plan.subgroup
     memo: dict[str, tuple[torch.Tensor, float]] = {}
     dist: dict[str, float] = {"raw": unit_distance(a, b, own, memo)}
@@ -379,8 +380,11 @@ def align_unit(a: ModelTensors, b: ModelTensors, unit: int, own: list[str], plan
         b = fit_additive(a, b, with_tables=unit == 0)
     stage("additive", b)
     dist["aligned"] = dist["additive"]
-    M = cross(_own(a, mine), _own(b, mine)) if with_cross else None
-    return UnitAligned(b, layer, gains, dist, M, unit_norm(a, own))
+    scale = unit_norm(a, own)
+    M = None
+    if with_cross and dist["aligned"] > cross_above * scale:
+        M = cross(_own(a, mine), _own(b, mine))
+    return UnitAligned(b, layer, gains, dist, M, scale)
 
 
 def _within(Q: torch.Tensor, eps: float) -> bool:
@@ -427,18 +431,31 @@ class _Pass:
     handle: Any
     units: dict[int, UnitAligned]
     cross: torch.Tensor | None  # [d, d]: X_B^T X_A over every unit's stream-side pieces
+    uncrossed: tuple[int, ...] = ()  # units left out of cross (within rounding of A's)
 
     @property
     def total(self) -> float:
         return sum(r.distances["aligned"] ** 2 for r in self.units.values())
 
-    def at_rounding(self, dtype: torch.dtype) -> bool:
-        """The total distance at most ``eps / 2`` of ``||A||`` (``eps`` of B's storage ``dtype``):
+    def full_cross(self, a: UnitSource, dtype: torch.dtype | None) -> torch.Tensor:
+        """The stream cross product over every unit: a unit already within ``eps / 2`` of A's
+        (`align_unit`'s ``cross_above``: its stored numbers are A's up to rounding) was given
+        none, and adds A's own ``X_A^T X_A``, its cross product up to that rounding, made now
+        that a round is tried (A's unit read again) and never in a pass that ends at rounding."""
+        M = self.cross
+        for u in self.uncrossed:
+            m = _own(a.load(u, dtype), set(a.names(u)))
+            c = cross(m, m)
+            if c is not None:
+                M = c if M is None else M + c
+        return M  # type: ignore[return-value]
+
+    def at_rounding(self, eps: float) -> bool:
+        """The total distance at most ``eps / 2`` of ``||A||`` (``eps`` of B's storage dtype):
         about what rounding both models to that dtype leaves of one model (a round-to-nearest
         error is uniform within half a unit in the last place, which is between ``eps / 2`` and
         ``eps`` of the number: RMS between ``0.14 eps`` and ``0.29 eps`` a side, up to ``0.41
         eps`` for two). Below it no refinement can show in what is written."""
-        eps = torch.finfo(dtype).eps
         return self.total <= (eps / 2) ** 2 * sum(r.scale**2 for r in self.units.values())
 
 
@@ -458,15 +475,20 @@ def align_sources(a: UnitSource, b: UnitSource, out: Output, *, subgroup: Subgro
         plan = Plan(subgroup, Q, perm, subgroup == "full" and Q is None, acts)
         say("stream fitted")  # how: in the result (`Alignment.stream`), said once by its reader
     moves = plan.Q is not None or plan.perm is not None
+    eps = torch.finfo(b.dtype()).eps  # B's storage rounding
 
     def run(p: Plan) -> _Pass:
         done: dict[int, UnitAligned] = {}
         summed: list[torch.Tensor] = []  # the stream cross product, summed as units come
+        uncrossed: list[int] = []
 
         def compute(u: int) -> UnitAligned:
-            r = align_unit(a.load(u, dtype), b.load(u, dtype), u, b.names(u), p, with_cross=moves)
+            r = align_unit(a.load(u, dtype), b.load(u, dtype), u, b.names(u), p, with_cross=moves,
+                           cross_above=eps / 2)
             if r.cross is not None:
                 summed[:] = [r.cross if not summed else summed[0] + r.cross]
+            elif moves:
+                uncrossed.append(u)
             done[u] = replace(r, model=None, cross=None)  # the tensors go to the output only
             say(f"unit {u} of {L + 1} aligned")
             return r
@@ -475,14 +497,14 @@ def align_sources(a: UnitSource, b: UnitSource, out: Output, *, subgroup: Subgro
         for u in range(b.count):  # a unit the output never asked for (it holds nothing)
             if u not in done:
                 compute(u)
-        return _Pass(p, handle, done, summed[0] if summed else None)
+        return _Pass(p, handle, done, summed[0] if summed else None, tuple(uncrossed))
 
     best = run(plan)
     rounds = 0
     for _ in range(ROUNDS if moves else 0):
-        if best.at_rounding(b.dtype()):
+        if best.at_rounding(eps):
             break
-        r = refit(best.cross, best.plan.Q is not None, lay.norm == "layer")  # type: ignore[arg-type]
+        r = refit(best.full_cross(a, dtype), best.plan.Q is not None, lay.norm == "layer")
         if best.plan.Q is not None:
             if _within(r, 0.5 * torch.finfo(b.dtype()).eps):  # it moves no stored number by a rounding
                 break
