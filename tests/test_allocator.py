@@ -1,15 +1,22 @@
 """`attnid.allocator.keep_freed_memory`: on Linux with glibc, freed large blocks are reused, so
 a loop that allocates and frees the same 64 MiB tensor faults far fewer fresh pages in: all 20
 blocks by default, 2 to 8 of them with it in runs on the 2-core machine (beside other work the
-kernel's memory reclaimer pages some freed heap blocks out again, so the count varies)."""
+kernel's memory reclaimer pages some freed heap blocks out again, so the count varies).
+`attnid.allocator.huge_pages`: the same loop faults each block in 2 MiB pages (512 times fewer
+faults) where the kernel offers transparent huge pages; it is refused once torch is imported."""
 
+import os
 import subprocess
 import sys
 
 import pytest
 
 LOOP = """
-import resource, sys, torch
+import resource, sys
+if sys.argv[1] == "huge":
+    from attnid.allocator import huge_pages
+    assert huge_pages()
+import torch
 torch.set_num_threads(1)
 if sys.argv[1] == "keep":
     from attnid.allocator import keep_freed_memory
@@ -29,3 +36,28 @@ def test_freed_memory_is_reused():
     pages = 20 * 2**26 // 4096  # what faulting every block in afresh costs
     assert faults["default"] > pages // 2, faults  # glibc's default: every block from the kernel
     assert faults["keep"] < pages // 2, faults  # under a half: at most 8 of the 20 blocks seen
+
+
+def _thp() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "never"
+
+
+@pytest.mark.skipif(_thp() == "never", reason="the kernel offers no transparent huge pages")
+def test_huge_pages_fault_fewer_pages():
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    faults = {how: int(subprocess.run([sys.executable, "-c", LOOP, how], capture_output=True, text=True,
+                                      check=True, env=env).stdout) for how in ("default", "huge")}
+    pages = 20 * 2**26 // 4096
+    assert faults["default"] > pages // 2, faults
+    assert faults["huge"] < pages // 8, faults  # 2 MiB pages: 32 faults a block where they are given
+
+
+def test_huge_pages_is_refused_once_torch_is_imported():
+    code = "import torch; from attnid.allocator import huge_pages; print(huge_pages())"
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert out.stdout.strip() == "False", out.stdout
