@@ -301,3 +301,31 @@ def test_align_and_merge_a_tied_and_an_untied_model(order, tied_pair, tmp_path, 
     assert "lm_head.weight" in tensors(tmp_path / "merged")
     assert json.loads((tmp_path / "merged" / "config.json").read_text())["tie_word_embeddings"] is False
     assert {k: fingerprint(v) for k, v in tied_pair.items()} == before, "an input was modified"
+
+
+def test_the_certificate_reads_the_output_with_its_permutations_undone(pairs, tmp_path, monkeypatch):
+    """`certify` reads the aligned output with its head and neuron permutations undone (exact
+    indexing, each a symmetry): `attnid diff`'s matching then finds every neuron at its namesake
+    and never searches, and the certificate does not rest on them: with a wrong neuron
+    permutation it searches and certifies all the same."""
+    import attnid.whole.fit.match as match
+    from attnid.checkpoint.align import aligned_files, certify
+    from attnid.checkpoint.load import open_checkpoint
+    from attnid.checkpoint.units import open_units
+    from attnid.whole.transforms.element import LayerElement
+
+    p = pairs["llama"]
+    ua, ub = (open_units(open_checkpoint(p[k], purpose="align")) for k in ("a", "c"))
+    al, written, _, _ = aligned_files(ua, ub, tmp_path / "out", "full")
+    layers = al.element.layers
+    assert all(not torch.equal(el.neurons, torch.arange(el.neurons.numel())) for el in layers), layers
+    searches, sketched = [], match._sketched
+    monkeypatch.setattr(match, "_sketched", lambda *x: searches.append(1) or sketched(*x))
+    gen = torch.Generator().manual_seed(0)
+    wrong = tuple(LayerElement(heads=el.heads, neurons=torch.randperm(el.neurons.numel(), generator=gen))
+                  for el in layers)
+    for hint, want in (((), True), (layers, False), (wrong, True)):
+        searches.clear()
+        worst, tol = certify(ub, written, al.stream_permutation, hint)
+        assert worst <= tol and bool(searches) == want, (
+            f"{len(hint)} hints: worst residual {worst:.1e} (tolerance {tol:.1e}), {len(searches)} searches")
