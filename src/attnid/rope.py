@@ -53,6 +53,29 @@ def apply_rope(
     return torch.cat((rotated, rest), dim=-1)
 
 
+def plane_parts(S: torch.Tensor, spec: AttentionSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per rotated plane of ``S [..., dk, dk]``: ``(S11 + S22, S12 - S21)`` ``[..., r / 2]``, its
+    inner products with ``I`` and ``J`` (``<S, a I + b J> = a (S11 + S22) + b (S12 - S21)``)."""
+    i1, i2 = plane_dims(spec)
+    return S[..., i1, i1] + S[..., i2, i2], S[..., i1, i2] - S[..., i2, i1]
+
+
+def in_commutant(k: int, block: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor,
+                 spec: AttentionSpec) -> torch.Tensor:
+    """The ``[..., k, k]`` matrix commuting with every RoPE rotation whose pass-through block is
+    ``block`` (None: zero) and whose plane ``p`` is ``a_p I + b_p J`` (``a, b [..., r / 2]``)."""
+    r = spec.rope_dims
+    out = torch.zeros(*a.shape[:-1], k, k, dtype=a.dtype, device=a.device)
+    if block is not None:
+        out[..., r:, r:] = block
+    i1, i2 = plane_dims(spec)
+    out[..., i1, i1] = a
+    out[..., i2, i2] = a
+    out[..., i1, i2] = b
+    out[..., i2, i1] = -b
+    return out
+
+
 def project_commutant(M: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
     """Orthogonal projection of ``[..., dk, dk]`` onto the matrices commuting with every RoPE rotation.
 
@@ -61,16 +84,8 @@ def project_commutant(M: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
     r = spec.rope_dims
     if r == 0:
         return M
-    out = torch.zeros_like(M)
-    out[..., r:, r:] = M[..., r:, r:]
-    i1, i2 = plane_dims(spec)
-    a = 0.5 * (M[..., i1, i1] + M[..., i2, i2])
-    b = 0.5 * (M[..., i1, i2] - M[..., i2, i1])
-    out[..., i1, i1] = a
-    out[..., i2, i2] = a
-    out[..., i1, i2] = b
-    out[..., i2, i1] = -b
-    return out
+    a, b = plane_parts(M, spec)
+    return in_commutant(M.shape[-1], M[..., r:, r:], 0.5 * a, 0.5 * b, spec)
 
 
 def project_tied(t: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:

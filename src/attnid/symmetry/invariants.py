@@ -30,7 +30,7 @@ from typing import Any, Literal
 import torch
 
 from attnid.errors import AttnidError
-from attnid.rope import plane_dims
+from attnid.rope import in_commutant, plane_dims
 from attnid.spec import AttentionSpec
 from attnid.symmetry.projection import remove_tangent
 from attnid.weights import AttentionWeights, kv_group_sum_out
@@ -170,19 +170,13 @@ def _fit(X: torch.Tensor, Y: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
     r = spec.rope_dims
     if r == 0:
         return torch.linalg.lstsq(X, Y).solution
-    M = torch.zeros(*X.shape[:-2], X.shape[-1], X.shape[-1], dtype=X.dtype)
-    if spec.pass_dims:
-        M[..., r:, r:] = torch.linalg.lstsq(X[..., r:], Y[..., r:]).solution
+    block = torch.linalg.lstsq(X[..., r:], Y[..., r:]).solution if spec.pass_dims else None
     i1, i2 = plane_dims(spec)
     x1, x2, y1, y2 = X[..., i1], X[..., i2], Y[..., i1], Y[..., i2]  # [G, n, r/2]
     den = ((x1**2).sum(-2) + (x2**2).sum(-2)).clamp_min(1e-300)
     a = ((x1 * y1).sum(-2) + (x2 * y2).sum(-2)) / den
     b = ((x1 * y2).sum(-2) - (x2 * y1).sum(-2)) / den
-    M[..., i1, i1] = a
-    M[..., i2, i2] = a
-    M[..., i1, i2] = b
-    M[..., i2, i1] = -b
-    return M
+    return in_commutant(X.shape[-1], block, a, b, spec)
 
 
 def fit_gauge(A: AttentionWeights, B: AttentionWeights, vo_gauge: VOGauge = "gl"

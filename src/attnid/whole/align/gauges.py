@@ -21,7 +21,7 @@ from typing import Literal
 
 import torch
 
-from attnid.rope import plane_dims, project_commutant
+from attnid.rope import in_commutant, plane_parts, project_commutant
 from attnid.spec import AttentionSpec
 from attnid.whole.fit.rotation import polar
 
@@ -79,16 +79,12 @@ def _orthogonal(g: Grams, spec: AttentionSpec | None) -> torch.Tensor:
     r = 0 if spec is None else spec.rope_dims
     if r == 0:
         return torch.stack([polar(s) for s in S])
-    M = torch.zeros_like(S)
-    if r < S.shape[-1]:
-        M[..., r:, r:] = torch.stack([polar(s[r:, r:]) for s in S])
-    i1, i2 = plane_dims(spec)  # type: ignore[arg-type]
-    a = S[..., i1, i1] + S[..., i2, i2]  # <x1, y1> + <x2, y2> per plane
-    b = S[..., i1, i2] - S[..., i2, i1]
+    assert spec is not None
+    block = torch.stack([polar(s[r:, r:]) for s in S]) if r < S.shape[-1] else None
+    a, b = plane_parts(S, spec)  # <x1, y1> + <x2, y2>, <x1, y2> - <x2, y1> per plane
     n = (a**2 + b**2).sqrt().clamp_min(1e-300)
     a, b = torch.where(n > 1e-300, a / n, torch.ones_like(a)), b / n
-    M[..., i1, i1], M[..., i2, i2], M[..., i1, i2], M[..., i2, i1] = a, a, b, -b
-    return M
+    return in_commutant(S.shape[-1], block, a, b, spec)
 
 
 def _one_sided(g: Grams, spec: AttentionSpec | None) -> torch.Tensor:
@@ -97,15 +93,12 @@ def _one_sided(g: Grams, spec: AttentionSpec | None) -> torch.Tensor:
     r = 0 if spec is None else spec.rope_dims
     if r == 0:
         return torch.linalg.lstsq(g.xx, g.xa).solution
-    M = torch.zeros_like(g.xa)
-    if r < M.shape[-1]:
-        M[..., r:, r:] = torch.linalg.lstsq(g.xx[..., r:, r:], g.xa[..., r:, r:]).solution
-    i1, i2 = plane_dims(spec)  # type: ignore[arg-type]
-    den = (g.xx[..., i1, i1] + g.xx[..., i2, i2]).clamp_min(1e-300)
-    a = (g.xa[..., i1, i1] + g.xa[..., i2, i2]) / den
-    b = (g.xa[..., i1, i2] - g.xa[..., i2, i1]) / den
-    M[..., i1, i1], M[..., i2, i2], M[..., i1, i2], M[..., i2, i1] = a, a, b, -b
-    return M
+    assert spec is not None
+    k = g.xa.shape[-1]
+    block = torch.linalg.lstsq(g.xx[..., r:, r:], g.xa[..., r:, r:]).solution if r < k else None
+    den = plane_parts(g.xx, spec)[0].clamp_min(1e-300)
+    a, b = plane_parts(g.xa, spec)
+    return in_commutant(k, block, a / den, b / den, spec)
 
 
 def pair_fit(XB: torch.Tensor, XA: torch.Tensor, YB: torch.Tensor, YA: torch.Tensor, kind: Kind,
