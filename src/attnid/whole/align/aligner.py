@@ -506,7 +506,7 @@ def align_sources(a: UnitSource, b: UnitSource, out: Output, *, subgroup: Subgro
             break
         r = refit(best.full_cross(a, dtype), best.plan.Q is not None, lay.norm == "layer")
         if best.plan.Q is not None:
-            if _within(r, 0.5 * torch.finfo(b.dtype()).eps):  # it moves no stored number by a rounding
+            if _within(r, 0.5 * eps):  # it moves no stored number by a rounding
                 break
             cand = replace(best.plan, Q=best.plan.Q @ r)
         elif torch.equal(r, torch.arange(r.numel())):
