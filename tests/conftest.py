@@ -11,6 +11,7 @@ import torch
 if "PYTEST_XDIST_WORKER" in os.environ:  # one process per core: one thread each, or torch's
     os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"  # OpenMP threads spin
     torch.set_num_threads(1)  # against the other workers (and so do the commands tests launch)
+os.environ["ATTNID_CACHE"] = "0"  # no layouts kept between tests (tests/whole/test_layout_store.py: kept)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

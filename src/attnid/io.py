@@ -76,7 +76,7 @@ class TensorFile:
             for n in self.names:
                 s = self._file.get_slice(n)
                 self._info[n] = TensorInfo(str(s.get_dtype()), tuple(int(x) for x in s.get_shape()))
-            self._start = _data_starts(self.path)  # absolute byte offset of each tensor (validated above)
+            self._span = _data_spans(self.path)  # each tensor: (first byte, size), validated above
         except (SafetensorError, OSError, ValueError) as e:
             raise AttnidError(f"{self.path} is not a valid safetensors file: {_diagnose(self.path, e)}"
                               ) from None
@@ -86,6 +86,10 @@ class TensorFile:
 
     def info(self, name: str) -> TensorInfo:
         return self._info[name]
+
+    def span(self, name: str) -> tuple[Path, int, int]:
+        """Where a tensor's bytes lie: (this file, its first byte, its size in bytes)."""
+        return (self.path, *self._span[name])
 
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` of one tensor (only those bytes are read; a copy in memory)."""
@@ -123,19 +127,20 @@ class TensorFile:
             per_row *= x
         out = torch.empty(numel * dtype.itemsize, dtype=torch.uint8)
         with self.path.open("rb", buffering=0) as f:
-            f.seek(self._start[name] + row * per_row * dtype.itemsize)
+            f.seek(self._span[name][0] + row * per_row * dtype.itemsize)
             got = f.readinto(memoryview(out.numpy()))
         if got != out.numel():
             raise AttnidError(f"{self.path}: tensor {name} cannot be read (the file ends early)")
         return out.view(dtype).reshape(shape)
 
 
-def _data_starts(path: Path) -> dict[str, int]:
-    """Each tensor's first byte in the file (``8 + header + data_offsets[0]``)."""
+def _data_spans(path: Path) -> dict[str, tuple[int, int]]:
+    """Each tensor's first byte in the file (``8 + header + data_offsets[0]``) and its size."""
     with path.open("rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(n))
-    return {k: 8 + n + v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
+    return {k: (8 + n + v["data_offsets"][0], v["data_offsets"][1] - v["data_offsets"][0])
+            for k, v in header.items() if k != "__metadata__"}
 
 
 def _diagnose(path: Path, error: Exception) -> str:

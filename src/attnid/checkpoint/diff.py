@@ -75,6 +75,8 @@ def diff(model_a: str | Checkpoint, model_b: str | Checkpoint, *, probes: int | 
         raise AttnidError(f"{a.path} and {b.path} are not the same architecture "
                           f"({a.adapter.family} {a.specs[0].describe()} x{a.n_layers} vs "
                           f"{b.adapter.family} {b.specs[0].describe()} x{b.n_layers})")
+    for x in (a, b):  # read while the layout is built: the tables, the head, the first layer
+        x.read_ahead(x.read_order(layers=1))
     tied_a, tied_b = (layout_of_config(x).tied for x in (a, b))
     untie = tied_a != tied_b  # compared as two untied models
     names_a, names_b = {_rel(a, n) for n in a.index}, {_rel(b, n) for n in b.index}

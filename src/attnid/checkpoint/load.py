@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from attnid import readahead
 from attnid.adapters.base import Adapter, stored_shapes
 from attnid.adapters.config import load_config, model_path, source_of, with_head
 from attnid.adapters.registry import adapter_for
@@ -63,6 +64,20 @@ class Checkpoint:
         (`attnid diff`'s distances, which then ask again with the check)."""
         t = self.index[name].tensor(name)
         return self._finite(name, t) if check else t
+
+    def read_ahead(self, names: Iterable[str]) -> int:
+        """Have these tensors' bytes read into the page cache in the background, in order
+        (`attnid.readahead`); the bytes newly asked for."""
+        return readahead.ahead(self.index[n].span(n) for n in names if n in self.index)
+
+    def read_order(self, layers: int | None = None) -> list[str]:
+        """Tensor names as a streamed pass reads them: the tensors outside the layers (tables,
+        final norm, head) first, then layer by layer, the first ``layers`` layers only when
+        given (a layer's names are those under the prefix, ``model.layers.3.``, that its
+        attention tensors share)."""
+        prefixes = [_layer_prefix(self.attention_names(i)[0], i) for i in range(self.n_layers)]
+        of = {n: next((i for i, p in enumerate(prefixes) if p and n.startswith(p)), -1) for n in self.index}
+        return sorted((n for n in self.index if layers is None or of[n] < layers), key=lambda n: of[n])
 
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` of a tensor (only those are read), checked like `tensor`."""
@@ -109,6 +124,13 @@ class Checkpoint:
     def other_names(self) -> list[str]:
         mine = self.layer_of()
         return [n for n in self.index if n not in mine]
+
+
+def _layer_prefix(name: str, i: int) -> str:
+    """``model.layers.3.self_attn.q_proj.weight``, 3 -> ``model.layers.3.`` ("" when the
+    layer's number is not one of the name's parts)."""
+    parts = name.split(".")
+    return ".".join(parts[:parts.index(str(i)) + 1]) + "." if str(i) in parts else ""
 
 
 def open_checkpoint(model: str | Path, *, purpose: str = "read") -> Checkpoint:

@@ -54,6 +54,11 @@ class Units:
             out[n] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
         return ModelTensors(self.layout, out, self.ck.config)
 
+    def read_ahead(self, unit: int) -> None:
+        """Have a unit's bytes read into the page cache in the background (`attnid.readahead`)."""
+        names = [*self.names(unit), *(x for x in unit_extras(self.layout, unit) if x in self.to_ck)]
+        self.ck.read_ahead(self.to_ck[n] for n in names)
+
     def dtype(self) -> torch.dtype:
         return self.ck.dtype()
 

@@ -193,6 +193,7 @@ class _Fitter:
         self.dtype = max(a.dtype(), b.dtype(), key=lambda t: torch.finfo(t).eps)
         self.tol = tolerance(self.dtype)
         self.cd = compute_dtype(self.dtype)
+        self.bf16 = self.dtype == torch.bfloat16  # products at the storage precision (`stored_product`)
         ref = _spec(a)
         self.d = ref.d_model
         kk = probe_count(self.d, max(ref.head_dim, ref.v_head_dim)) if k is None else k
@@ -201,8 +202,8 @@ class _Fitter:
         self.blame: dict[int, dict[str, str]] = {}
 
     def frames(self, Q: Rotation | None) -> tuple[Frame, Frame, Frame]:
-        plain = Frame(self.Z, None, self.cd)  # A's, and B's unrotated
-        return plain, plain if Q is None else Q.frame(self.Z, self.cd), plain
+        plain = Frame(self.Z, None, self.cd, bf16=self.bf16)  # A's, and B's unrotated
+        return plain, plain if Q is None else Q.frame(self.Z, self.cd, self.bf16), plain
 
     def canonical(self, m: ModelTensors, unit: int, frame: Frame, ignore_norm: bool = False) -> C.Canonical:
         if unit == 0:
@@ -266,16 +267,21 @@ def fit(a: UnitSource, b: UnitSource, *, probe_k: int | None = None,
     """The group element mapping B onto A and every residual it leaves (see the module)."""
     if a.layout != b.layout:
         raise AttnidError("the two models do not have the same layout")
-    f = _Fitter(a, b, probe_k, progress)
-    L = f.L
-    rot = _Rotations(f)
-    Q, how = rot.first()
-    f.progress(f"rotation: {how}")
+    L = len(a.layout.layers)
     # every unit once, the tables, the head and the first two layers first: when they
     # disagree with the rotation, the candidate more of them agree with is kept
     first = list(dict.fromkeys(u for u in (0, L + 1, 1, 2) if u <= L + 1))
+    order = [*first, *(u for u in range(1, L + 1) if u not in first)]
+    for u in order[:3]:  # the rotation reads the tables and the head: on disk while it starts
+        a.read_ahead(u), b.read_ahead(u)
+    f = _Fitter(a, b, probe_k, progress)
+    rot = _Rotations(f)
+    Q, how = rot.first()
+    f.progress(f"rotation: {how}")
     results: dict[int, tuple[UnitResult, float, dict[str, torch.Tensor]]] = {}
-    for u in [*first, *(u for u in range(1, L + 1) if u not in first)]:
+    for k, u in enumerate(order):
+        if k + 3 < len(order):  # two units ahead of the one compared: read while it computes
+            a.read_ahead(order[k + 3]), b.read_ahead(order[k + 3])
         results[u] = _unit(f, u, Q, rot)
         f.progress(f"unit {u} of {L + 1}: worst residual {_worst(results[u][0]):.2e}")
         if u == first[-1] and Q is not None and any(_worst(results[x][0]) > f.tol for x in first):

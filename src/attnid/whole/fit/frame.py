@@ -17,9 +17,11 @@ identity and everything is exact.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -45,6 +47,44 @@ def accept_bound(k: int, factor: float) -> float:
     k = min(k, NARROW)
     chernoff = lambda t: math.exp(k / 2 * (1 - t + math.log(t)))  # noqa: E731
     return min(1.0, max(2 * chernoff(1 / factor), chernoff(1 / factor**2)))
+
+
+def stored_product(X: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
+    """``X @ R`` (``X [n, d]``, ``R [d, k]``, float32) for ``X`` holding bfloat16 values (stored
+    weights): the product taken by the CPU's bfloat16 units, two to six times faster than
+    float32's, and as exact. Those units round both operands to bfloat16 and sum in float32.
+    ``X`` loses nothing by it. ``R`` is split as ``R_hi + R_lo``, each exactly a bfloat16
+    value, so ``R`` loses about ``2^-16`` of itself, and ``X @ R = X @ [R_hi, R_lo]`` summed
+    half to half (one product, twice as wide). An ``X`` not stored in bfloat16 is rounded to
+    it, an error within bfloat16's rounding, which is then the level the comparison works to
+    (docs/theory.md §13.19). On a CPU without bfloat16 units, or with torch lacking oneDNN,
+    the plain float32 product."""
+    if not bf16_units():
+        return X @ R
+    hi = R.to(torch.bfloat16).to(R.dtype)
+    R2 = torch.cat([hi, (R - hi).to(torch.bfloat16).to(R.dtype)], 1)  # [d, 2k]
+    mm = torch.backends.mkldnn.matmul
+    before = mm.fp32_precision
+    mm.fp32_precision = "bf16"
+    try:
+        Y = X @ R2
+    finally:
+        mm.fp32_precision = before
+    k = R.shape[1]
+    return Y[:, :k] + Y[:, k:]
+
+
+@functools.cache
+def bf16_units() -> bool:
+    """Whether float32 products may run on the CPU's bfloat16 units (AVX512-BF16 or AMX, on
+    Linux's ``/proc/cpuinfo``, with torch built with oneDNN)."""
+    if not torch.backends.mkldnn.is_available() or not hasattr(torch.backends.mkldnn, "matmul"):
+        return False
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags
 
 
 def probes(d: int, k: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor | None:
@@ -75,11 +115,11 @@ class Rotation:
             self._Q = self._full()
         return self._Q
 
-    def frame(self, Z: torch.Tensor | None, dtype: torch.dtype) -> Frame:
+    def frame(self, Z: torch.Tensor | None, dtype: torch.dtype, bf16: bool = False) -> Frame:
         """B's frame: ``Q Z`` as held when ``Z`` is the probes it was fitted through."""
         if Z is not None and self.QZ is not None and self.QZ.shape == Z.shape:
-            return Frame(Z, None, dtype, self.QZ.to(dtype))
-        return Frame(Z, self.matrix(), dtype)
+            return Frame(Z, None, dtype, self.QZ.to(dtype), bf16)
+        return Frame(Z, self.matrix(), dtype, bf16=bf16)
 
 
 @dataclass(frozen=True)
@@ -92,6 +132,7 @@ class Frame:
     Q: torch.Tensor | None
     dtype: torch.dtype
     R: torch.Tensor | None = field(default=None, compare=False)
+    bf16: bool = False  # products at bfloat16 storage precision (`stored_product`)
 
     def __post_init__(self) -> None:
         if self.R is None and (self.Z is not None or self.Q is not None):
@@ -115,7 +156,10 @@ class Frame:
         if self.R is None:
             X = X if gain is None else X * gain.to(self.dtype)
             return X - X.mean(-1, keepdim=True) if centre else X
-        return X @ self.folded(gain, centre)
+        F = self.folded(gain, centre)
+        if not self.bf16:
+            return X @ F
+        return stored_product(X.reshape(-1, X.shape[-1]), F).reshape(*X.shape[:-1], -1)
 
     def left(self, X: torch.Tensor, gain: torch.Tensor | None = None, centre: bool = False
              ) -> torch.Tensor:
@@ -124,7 +168,12 @@ class Frame:
         if self.R is None:
             X = X if gain is None else X * gain.to(self.dtype)[:, None]
             return X - X.mean(-2, keepdim=True) if centre else X
-        return self.folded(gain, centre).T @ X
+        F = self.folded(gain, centre)
+        if not self.bf16:
+            return F.T @ X
+        Xt = X.transpose(-1, -2)  # [..., n, d]: for a stored [out, d] weight, a view of it
+        Y = stored_product(Xt.reshape(-1, X.shape[-2]), F)  # [... n, k]
+        return Y.reshape(*Xt.shape[:-1], -1).transpose(-1, -2)
 
     def vector(self, x: torch.Tensor) -> torch.Tensor:
         """A stream vector ``[d] -> [k]``."""
@@ -139,4 +188,4 @@ class Frame:
             return self
         scale = (self.Z.shape[1] / k) ** 0.5
         # (Q Z)[:, :k] = Q Z[:, :k]
-        return Frame(self.Z[:, :k] * scale, self.Q, self.dtype, self.R[:, :k] * scale)
+        return Frame(self.Z[:, :k] * scale, self.Q, self.dtype, self.R[:, :k] * scale, self.bf16)

@@ -25,6 +25,8 @@ class UnitSource(Protocol):
 
     def load(self, unit: int, *, check: bool = True) -> ModelTensors: ...
 
+    def read_ahead(self, unit: int) -> None: ...
+
     def names(self, unit: int) -> list[str]: ...
 
     def dtype(self) -> torch.dtype: ...
@@ -85,6 +87,9 @@ class TensorSource:
                 if t.is_floating_point() and not torch.isfinite(t).all():
                     raise AttnidError(f"tensor {n} holds NaN or Inf values")
         return self.m
+
+    def read_ahead(self, unit: int) -> None:
+        """In memory already: nothing to read."""
 
     def names(self, unit: int) -> list[str]:
         return [n for n, u in self.unit_of.items() if u == unit]

@@ -26,6 +26,8 @@ from attnid.adapters.config import FileConfig, source_of
 from attnid.adapters.layout import Layout, Lin, Norm
 from attnid.adapters.registry import LAYOUTS
 from attnid.errors import AttnidError
+from attnid.whole.transforms.layout_store import load as load_stored
+from attnid.whole.transforms.layout_store import save as save_stored
 
 __all__ = ["FAMILIES", "Layout", "Lin", "Norm", "ParamsBySuffix", "gain_offset", "get_b", "get_w",
            "layout_for", "layout_of", "norm_by_path", "norm_params", "set_b_", "set_gain_", "set_w_",
@@ -92,9 +94,19 @@ _BUILT: dict[str, tuple[Layout, tuple[str, ...]]] = {}  # by config: two files o
 
 def _meta(config_json: str, source: str) -> tuple[Layout, tuple[str, ...]]:
     if config_json not in _BUILT:
-        with torch.device("meta"):  # the config keeps its file's name for transformers' refusals
-            model = new_hf_model(FileConfig(json.loads(config_json), source), head=True)
-        _BUILT[config_json] = layout_of(model), tuple(model.state_dict())
+        # kept on disk for attnid's own families only: a family registered from outside
+        # (a user's adapter) is code the store's key does not hash
+        builder = FAMILIES.get(json.loads(config_json).get("model_type"))
+        home = type(builder.__self__) if hasattr(builder, "__self__") else builder  # an adapter's method
+        own = builder is not None and getattr(home, "__module__", "").startswith("attnid.")
+        stored = load_stored(config_json) if own else None  # built by an earlier run
+        if stored is None:
+            with torch.device("meta"):  # the config keeps its file's name for transformers' refusals
+                model = new_hf_model(FileConfig(json.loads(config_json), source), head=True)
+            stored = layout_of(model), tuple(model.state_dict())
+            if own:
+                save_stored(config_json, stored)
+        _BUILT[config_json] = stored
     return _BUILT[config_json]
 
 

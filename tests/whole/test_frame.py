@@ -1,0 +1,56 @@
+"""Probe products at bfloat16 storage precision (`attnid.whole.fit.frame.stored_product`): for
+weights holding bfloat16 values they equal the float32 products to about 2^-16 (the split
+probes), on the CPU's bfloat16 units where it has them and in plain float32 where it has not;
+a frame taking them gives what the plain frame gives, for stream-on-the-right and
+stream-on-the-left tensors, 2-D and 3-D, views of a stored weight included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnid.numerics import relative_error
+from attnid.whole.fit import frame as F
+
+
+def _bf16_values(*shape: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(torch.bfloat16).to(torch.float32)
+
+
+@pytest.mark.parametrize("units", [True, False])
+def test_stored_product(units, monkeypatch):
+    monkeypatch.setattr(F, "bf16_units", lambda: units)
+    X, R = _bf16_values(300, 96), _bf16_values(96, 40, seed=1) + 1e-3 * _bf16_values(96, 40, seed=2)
+    want = X.double() @ R.double()
+    err = relative_error(F.stored_product(X, R), want)
+    assert err < 3e-5, f"stored product off by {err:.2e} (units {units})"
+    assert torch.backends.mkldnn.matmul.fp32_precision != "bf16"  # the setting restored
+
+
+def test_rounding_a_value_not_stored_is_bounded():
+    """An X not holding bfloat16 values is rounded to it: within bfloat16's rounding."""
+    X, R = torch.randn(200, 64, generator=torch.Generator().manual_seed(3)), _bf16_values(64, 16)
+    err = relative_error(F.stored_product(X, R), X.double() @ R.double())
+    assert err < 2**-8, f"{err:.2e}"
+
+
+def test_frame_products_agree():
+    d, k = 64, 24
+    Z, Q = F.probes(d, k, torch.float32), torch.linalg.qr(torch.randn(d, d, dtype=torch.float64))[0]
+    g = 1 + 0.1 * torch.randn(d)
+    plain = F.Frame(Z, Q, torch.float32)
+    fast = F.Frame(Z, Q, torch.float32, bf16=True)
+    W = _bf16_values(48, d)  # [out, d]: stream on the right
+    Wq = _bf16_values(4 * 8, d).reshape(4, 8, d).transpose(1, 2)  # [H, d, dk]: a view, stream left
+    Wd = _bf16_values(d, 30)  # [d, f]: stream on the left
+    Wo = _bf16_values(4, 8, d)  # [H, dv, d]
+    cases = {"right 2-D": (fast.right(W, g, True), plain.right(W, g, True)),
+             "right 3-D": (fast.right(Wo), plain.right(Wo)),
+             "left 3-D view": (fast.left(Wq, g), plain.left(Wq, g)),
+             "left 2-D": (fast.left(Wd, centre=True), plain.left(Wd, centre=True)),
+             "narrow": (fast.narrow(8).right(W), plain.narrow(8).right(W))}
+    for name, (got, want) in cases.items():
+        assert got.shape == want.shape, name
+        err = relative_error(got, want)
+        assert err < 3e-5, f"{name}: {err:.2e}"
