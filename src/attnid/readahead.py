@@ -17,8 +17,10 @@ two ahead, so the page cache holds no more than that beyond what the pass reads.
 
 from __future__ import annotations
 
+import json
 import os
 import queue
+import struct
 import threading
 from collections.abc import Iterable
 from pathlib import Path
@@ -87,3 +89,34 @@ def idle(timeout: float = 60.0) -> bool:
         return True
     with r.done:
         return r.done.wait_for(lambda: r.pending == 0, timeout)
+
+
+def layer_of(name: str) -> int:
+    """The layer a tensor name belongs to, for the read order: its first all-digit part
+    (``model.layers.3.mlp.up_proj.weight`` -> 3), -1 for the tensors outside the layers."""
+    return next((int(p) for p in name.split(".") if p.isdigit()), -1)
+
+
+def checkpoint(path: str | Path, layers: int = 1) -> int:
+    """Start reading a checkpoint where a streamed pass starts: the tensors outside the layers
+    (tables, final norm, head), then the first ``layers`` layers, by the safetensors headers
+    alone (no torch: this can run while torch is imported). ``path``: a model directory, its
+    config.json or a .safetensors file; anything else, or a file that cannot be parsed, is
+    passed over (0): the command's own reading reports it. The bytes asked for."""
+    p = Path(path)
+    root = p if p.is_dir() else p.parent
+    files = [p] if p.suffix == ".safetensors" else sorted(root.glob("*.safetensors"))
+    spans: list[tuple[int, Span]] = []
+    for f in files:
+        try:
+            with open(f, "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(n)) if n < 100_000_000 else {}
+            for name, v in header.items():
+                if name != "__metadata__" and layer_of(name) < layers:
+                    a, b = v["data_offsets"]
+                    spans.append((layer_of(name), (f, 8 + n + a, b - a)))
+        except (OSError, ValueError, KeyError, TypeError, struct.error):
+            continue
+    spans.sort(key=lambda x: (x[0], str(x[1][0]), x[1][1]))
+    return ahead(s for _, s in spans)

@@ -72,12 +72,10 @@ class Checkpoint:
 
     def read_order(self, layers: int | None = None) -> list[str]:
         """Tensor names as a streamed pass reads them: the tensors outside the layers (tables,
-        final norm, head) first, then layer by layer, the first ``layers`` layers only when
-        given (a layer's names are those under the prefix, ``model.layers.3.``, that its
-        attention tensors share)."""
-        prefixes = [_layer_prefix(self.attention_names(i)[0], i) for i in range(self.n_layers)]
-        of = {n: next((i for i, p in enumerate(prefixes) if p and n.startswith(p)), -1) for n in self.index}
-        return sorted((n for n in self.index if layers is None or of[n] < layers), key=lambda n: of[n])
+        final norm, head) first, then layer by layer (`attnid.readahead.layer_of`), the first
+        ``layers`` layers only when given."""
+        return sorted((n for n in self.index if layers is None or readahead.layer_of(n) < layers),
+                      key=readahead.layer_of)
 
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` of a tensor (only those are read), checked like `tensor`."""
@@ -124,13 +122,6 @@ class Checkpoint:
     def other_names(self) -> list[str]:
         mine = self.layer_of()
         return [n for n in self.index if n not in mine]
-
-
-def _layer_prefix(name: str, i: int) -> str:
-    """``model.layers.3.self_attn.q_proj.weight``, 3 -> ``model.layers.3.`` ("" when the
-    layer's number is not one of the name's parts)."""
-    parts = name.split(".")
-    return ".".join(parts[:parts.index(str(i)) + 1]) + "." if str(i) in parts else ""
 
 
 def open_checkpoint(model: str | Path, *, purpose: str = "read") -> Checkpoint:

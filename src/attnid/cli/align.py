@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from attnid.cli.app import Json, app, console, emit_json, narrow_table, sized_progress
+from attnid.cli.app import Json, app, console, emit_json, narrow_table, read_ahead, sized_progress
 
 ModelA = Annotated[str, typer.Argument(help="Reference checkpoint A (directory, config.json, .safetensors).")]
 ModelB = Annotated[str, typer.Argument(help="Checkpoint B of the same architecture.")]
@@ -44,6 +44,7 @@ def align_cmd(
     from attnid.allocator import huge_pages
 
     huge_pages()  # before torch is imported: fewer page faults for each unit's blocks
+    read_ahead(model_a, model_b)  # the first units read while torch is imported
     from attnid.checkpoint.align import align_checkpoints
     from attnid.errors import require_extras
 
@@ -108,6 +109,7 @@ def merge_cmd(
     from attnid.allocator import huge_pages
 
     huge_pages()  # before torch is imported: fewer page faults for each unit's blocks
+    read_ahead(model_a, model_b)  # the first units read while torch is imported
     from attnid.checkpoint.align import merge_checkpoints
     from attnid.errors import require_extras
 

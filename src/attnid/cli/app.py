@@ -112,6 +112,15 @@ def print_count_dict(d: dict, title: str) -> None:
     print_count(Count(spec, {k: Component(**v) for k, v in d["components"].items()}), title)
 
 
+def read_ahead(*models: str) -> None:
+    """Start reading each local checkpoint's first units in the background (`attnid.readahead`),
+    before torch is imported: the disk works while the imports run."""
+    from attnid import readahead
+
+    for m in models:
+        readahead.checkpoint(m)
+
+
 def sized_progress(*models: str, above: int, always: bool = False) -> Progress:
     """A `Progress` shown when the models' safetensors files hold more than ``above`` bytes (a
     small model finishes before a bar would say anything), or ``always`` (work that takes long

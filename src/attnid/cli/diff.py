@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from attnid.cli.app import Json, app, console, emit_json, narrow_table, sized_progress
+from attnid.cli.app import Json, app, console, emit_json, narrow_table, read_ahead, sized_progress
 
 
 @app.command("diff")
@@ -24,6 +24,7 @@ def diff_cmd(
     permutations, attention gauges, MLP scaling, ...)? Exit 0: certified to the dtype's
     rounding; exit 1: not, and the layer, checkpoint tensor and size of the first break are
     named; exit 2: bad input."""
+    read_ahead(model_a, model_b)  # the first units read while torch is imported
     from attnid.checkpoint.diff import diff
     from attnid.checkpoint.load import open_checkpoint
     from attnid.errors import require_extras
