@@ -66,3 +66,27 @@ def test_read_order(tmp_path):
     assert first == [n for n, i in zip(order, layer, strict=True) if i < 1]
     assert ck.read_ahead(first) == sum(ck.index[n].span(n)[2] for n in first)
     assert readahead.idle()
+
+
+def test_checkpoint_from_headers(tmp_path):
+    """`readahead.checkpoint` asks, from the headers alone, for the tensors outside the layers
+    and the first layer; a damaged file or a missing path is passed over."""
+    from attnid.adapters.base import build_hf_model
+
+    model = build_hf_model({**WHOLE_CASES["llama-gqa-2layers"]}, head=True).to(torch.float32)
+    model.save_pretrained(tmp_path / "m")
+    ck = open_checkpoint(tmp_path / "m")
+    want = sum(ck.index[n].span(n)[2] for n in ck.read_order(layers=1))
+    assert readahead.checkpoint(tmp_path / "m") == want
+    assert readahead.checkpoint(tmp_path / "m" / "model.safetensors") == 0  # asked already
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "model.safetensors").write_bytes(b"\xff" * 20)
+    assert readahead.checkpoint(tmp_path / "bad") == 0
+    assert readahead.checkpoint(tmp_path / "nowhere") == 0
+    assert readahead.idle()
+
+
+def test_layer_of():
+    names = ("model.layers.12.mlp.up_proj.weight", "transformer.h.0.attn.c_attn.weight",
+             "model.embed_tokens.weight", "lm_head.weight")
+    assert [readahead.layer_of(n) for n in names] == [12, 0, -1, -1]
