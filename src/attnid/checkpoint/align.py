@@ -344,6 +344,9 @@ def merge_checkpoints(model_a: str | Path, model_b: str | Path, out_dir: str | P
         cd = compute_dtype(ua.dtype())
 
         def mixed(u: int) -> ModelTensors:
+            for x in (u + 1, u + 2):  # B's next units read while this one mixes (A's: write_units)
+                if x < ub.count:
+                    ub.read_ahead(x)
             return interpolate(ua.load(u, cd), ub.load(u, cd), alpha)
 
         with staged(dst, a.root, {f.path.name for f in a.files}) as tmp:

@@ -160,12 +160,24 @@ def write_units(units: Any, compute: Any, tmp: Path) -> None:
     unit_of = {out_of[s]: units.unit_of[s] for s in units.to_ck}
     left = {u: sum(1 for c in unit_of if unit_of[c] == u) for u in range(units.count)}
     cache: dict[int, Any] = {}
+    files = []
+    for f in ck.files:
+        names = list(f.names)
+        if units.untied and units.untied not in ck.index and ck.index[src_of[units.untied]] is f:
+            names.append(units.untied)  # the new head, beside its table
+        files.append((f, sorted(names, key=lambda n: unit_of.get(n, -1))))
+    order = list(dict.fromkeys(unit_of[n] for _, names in files for n in names if n in unit_of))
+    for u in order[:2]:
+        units.read_ahead(u)
 
     def produce(name: str) -> torch.Tensor:
         if name not in unit_of:
             return ck.tensor(name)  # no unit reads it: its stored bytes
         u = unit_of[name]
         if u not in cache:
+            k = order.index(u)
+            if k + 2 < len(order):  # read while this unit computes (`attnid.readahead`)
+                units.read_ahead(order[k + 2])
             cache[u] = compute(u)
         t = cache[u].tensors[state_of[name]]
         left[u] -= 1
@@ -173,11 +185,7 @@ def write_units(units: Any, compute: Any, tmp: Path) -> None:
             del cache[u]
         return t.to(DTYPES[ck.info(src_of[name]).dtype]) if t.is_floating_point() else t
 
-    for f in ck.files:
-        names = list(f.names)
-        if units.untied and units.untied not in ck.index and ck.index[src_of[units.untied]] is f:
-            names.append(units.untied)  # the new head, beside its table
-        names.sort(key=lambda n: unit_of.get(n, -1))
+    for f, names in files:
         entries = [(n, f.info(src_of.get(n, n)).dtype, f.info(src_of.get(n, n)).shape) for n in names]
         write_streaming(tmp / f.path.name, entries, produce, f.metadata)
 

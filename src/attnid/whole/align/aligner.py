@@ -483,6 +483,9 @@ def align_sources(a: UnitSource, b: UnitSource, out: Output, *, subgroup: Subgro
         uncrossed: list[int] = []
 
         def compute(u: int) -> UnitAligned:
+            for x in (u + 1, u + 2):  # A's next units, read while this one computes (B's: the output)
+                if x < a.count:
+                    a.read_ahead(x)
             r = align_unit(a.load(u, dtype), b.load(u, dtype), u, b.names(u), p, with_cross=moves,
                            cross_above=eps / 2)
             if r.cross is not None:
