@@ -90,3 +90,16 @@ def test_layer_of():
     names = ("model.layers.12.mlp.up_proj.weight", "transformer.h.0.attn.c_attn.weight",
              "model.embed_tokens.weight", "lm_head.weight")
     assert [readahead.layer_of(n) for n in names] == [12, 0, -1, -1]
+
+
+@pytest.mark.parametrize("header", [b"[1, 2]", b'{"w": 3}', b'{"w": {"data_offsets": ["a", 2]}}',
+                                    b'{"w": {"data_offsets": [9, 2]}}', b'{"w": {"data_offsets": [0, 1e30]}}',
+                                    b"{not json", b""])
+def test_checkpoint_damaged_header(tmp_path, header):
+    """A header `readahead.checkpoint` cannot use is passed over (no exception: the command's
+    own reading names what is wrong)."""
+    import struct
+
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 16)
+    assert readahead.checkpoint(tmp_path) >= 0
+    assert readahead.idle()

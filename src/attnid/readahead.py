@@ -112,11 +112,11 @@ def checkpoint(path: str | Path, layers: int = 1) -> int:
             with open(f, "rb") as fh:
                 (n,) = struct.unpack("<Q", fh.read(8))
                 header = json.loads(fh.read(n)) if n < 100_000_000 else {}
-            for name, v in header.items():
+            for name, v in header.items() if isinstance(header, dict) else ():
                 if name != "__metadata__" and layer_of(name) < layers:
                     a, b = v["data_offsets"]
-                    spans.append((layer_of(name), (f, 8 + n + a, b - a)))
-        except (OSError, ValueError, KeyError, TypeError, struct.error):
-            continue
+                    spans.append((layer_of(name), (f, 8 + n + int(a), int(b) - int(a))))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error):
+            continue  # a header this cannot parse: the command's own reading names what is wrong
     spans.sort(key=lambda x: (x[0], str(x[1][0]), x[1][1]))
     return ahead(s for _, s in spans)

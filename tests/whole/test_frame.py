@@ -13,9 +13,9 @@ from attnid.numerics import relative_error
 from attnid.whole.fit import frame as F
 
 
-def _bf16_values(*shape: int, seed: int = 0) -> torch.Tensor:
+def _bf16_values(*shape: int, seed: int = 0, shift: float = 0.0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=g).to(torch.bfloat16).to(torch.float32)
+    return (torch.randn(*shape, generator=g) + shift).to(torch.bfloat16).to(torch.float32)
 
 
 @pytest.mark.parametrize("units", [True, False])
@@ -54,3 +54,21 @@ def test_frame_products_agree():
         assert got.shape == want.shape, name
         err = relative_error(got, want)
         assert err < 3e-5, f"{name}: {err:.2e}"
+
+
+@pytest.mark.parametrize("layer_norm", [False, True])
+def test_table_gram(layer_norm):
+    """The rotation's Gram matrix from the stored rows (mean rows and gains moved out of the
+    product) is the Gram matrix of the prepared rows, to float32's summation."""
+    from attnid.whole.fit.fitter import prepared, table_gram
+
+    g = 1 + 0.3 * torch.rand(64, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    blocks = [(_bf16_values(300, 64, seed=6, shift=0.25), None), (_bf16_values(200, 64, seed=7), g)]
+    X = torch.cat([prepared(b, torch.float32, layer_norm) for b in blocks]).double()
+    G = table_gram(blocks, torch.float32, layer_norm)
+    err = relative_error(G, X.T @ X)
+    assert err < 1e-6, f"{err:.2e}"
+    shifted = [(_bf16_values(300, 64, seed=6, shift=8.0), None)]  # the mean row carries the products
+    assert table_gram(shifted, torch.float32, layer_norm) is None
+    err = relative_error(F.stored_gram(blocks[0][0]), blocks[0][0].double().T @ blocks[0][0].double())
+    assert err < 1e-6, f"stored_gram {err:.2e}"

@@ -30,7 +30,7 @@ from attnid.errors import AttnidError
 from attnid.numerics import rounding_tolerance as tolerance
 from attnid.numerics import sq_distance
 from attnid.whole.fit.compare import Residual, UnitResult, compare_item, compare_unit
-from attnid.whole.fit.frame import Frame, Rotation, probe_count, probes
+from attnid.whole.fit.frame import Frame, Rotation, probe_count, probes, stored_gram
 from attnid.whole.fit.match import assignment
 from attnid.whole.fit.rotation import probed_least_squares, procrustes, rows
 from attnid.whole.fit.source import UnitSource
@@ -130,10 +130,10 @@ def sampled_rows(src: UnitSource, name: str, n: int, skip: int = 0) -> torch.Ten
     return torch.cat([src.rows(name, s, s + size) for s in starts])
 
 
-def table_rows(src: UnitSource, cd: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Gauge-free stream rows for the rotation: token rows less their mean (a translation, a
-    uniform shift and all-ones shifts drop out) and unembedding rows with the final gain folded
-    in, less their mean (the logit shift drops out), ``P`` of them under LayerNorm; ``(E, U)``."""
+def table_blocks(src: UnitSource) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """The stored rows the rotation is fitted on, each block with the gain folded into it: about
+    ``2 d`` sampled token rows (``gain`` None) and, with an untied head behind a final norm,
+    unembedding rows with that norm's gain ``[d]`` (float64)."""
     lay = src.layout
     d = src.shape(f"{lay.tables[0]}.weight")[1]
     un = None if lay.unembed is None or lay.tied else f"{lay.unembed.path}.weight"
@@ -141,18 +141,56 @@ def table_rows(src: UnitSource, cd: torch.dtype) -> tuple[torch.Tensor | None, t
         un = None
     n = 2 * d // (2 if un else 1) + ROWS_EXTRA  # about 2d rows in all: well conditioned
     skip = 0 if lay.padding_idx is None else lay.padding_idx + 1
-
-    def prepare(X: torch.Tensor) -> torch.Tensor:
-        X = X.to(cd)
-        X = X - X.mean(0, keepdim=True)  # a row added to every row drops out
-        return X - X.mean(1, keepdim=True) if lay.norm == "layer" else X
-
-    E = prepare(sampled_rows(src, f"{lay.tables[0]}.weight", n, skip))
-    U = None
+    out: list[tuple[torch.Tensor, torch.Tensor | None]] = [
+        (sampled_rows(src, f"{lay.tables[0]}.weight", n, skip), None)]
     if un is not None:
-        g = src.rows(f"{lay.final.path}.weight", 0, d).to(cd) + lay.final.offset
-        U = prepare(sampled_rows(src, un, n) * g[None, :])
-    return E, U
+        g = src.rows(f"{lay.final.path}.weight", 0, d).to(torch.float64) + lay.final.offset
+        out.append((sampled_rows(src, un, n), g))
+    return out
+
+
+def prepared(block: tuple[torch.Tensor, torch.Tensor | None], cd: torch.dtype, layer_norm: bool
+             ) -> torch.Tensor:
+    """A block's gauge-free rows: gained, less their mean row (a translation, a uniform shift,
+    the logit shift drop out), ``P`` of them under LayerNorm (all-ones shifts drop out)."""
+    X, g = block
+    X = X.to(cd) if g is None else X.to(cd) * g.to(cd)[None, :]
+    X = X - X.mean(0, keepdim=True)
+    return X - X.mean(1, keepdim=True) if layer_norm else X
+
+
+def table_rows(src: UnitSource, cd: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Gauge-free stream rows for the rotation (`prepared` `table_blocks`): ``(E, U)``, U None
+    without an untied head behind a final norm."""
+    blocks = [prepared(b, cd, src.layout.norm == "layer") for b in table_blocks(src)]
+    return blocks[0], blocks[1] if len(blocks) > 1 else None
+
+
+def table_gram(blocks: list[tuple[torch.Tensor, torch.Tensor | None]], cd: torch.dtype, layer_norm: bool
+               ) -> torch.Tensor | None:
+    """``X^T X [d, d]`` of the `prepared` rows of bfloat16 ``blocks``, its products taken on
+    the stored rows by the CPU's bfloat16 units, which take them exactly
+    (`attnid.whole.fit.frame.stored_gram`): per block ``diag(g) (Y^T Y - n mu mu^T) diag(g)``
+    for stored rows ``Y`` with mean row ``mu``, then ``P . P`` under LayerNorm. None (take the
+    float32 product of the prepared rows instead) when the mean rows carry more than half of
+    the products: the subtraction would then lose what float32 keeps."""
+    G = None
+    for Y, g in blocks:
+        YY = stored_gram(Y.to(cd))
+        mu = Y.to(torch.float64).mean(0)
+        n = Y.shape[0]
+        if float(n * (mu @ mu)) > 0.5 * float(YY.diagonal().sum()):
+            return None
+        part = YY.double() - n * torch.outer(mu, mu)
+        if g is not None:
+            part = g[:, None] * part * g[None, :]
+        G = part if G is None else G + part
+    if G is None:
+        return None
+    if layer_norm:
+        G = G - G.mean(0, keepdim=True)
+        G = G - G.mean(1, keepdim=True)
+    return G.to(cd)
 
 
 def _procrustes(pairs: list[tuple[torch.Tensor | None, torch.Tensor | None]], layer_norm: bool
@@ -165,7 +203,7 @@ def _procrustes(pairs: list[tuple[torch.Tensor | None, torch.Tensor | None]], la
 
 
 def _rotation(pairs: list[tuple[torch.Tensor | None, torch.Tensor | None]], layer_norm: bool,
-              Z: torch.Tensor | None, tol: float) -> Rotation | None:
+              Z: torch.Tensor | None, tol: float, gram: torch.Tensor | None = None) -> Rotation | None:
     """The rotation fitted on ``pairs`` of rows: with probes, the least-squares map through them
     (`attnid.whole.fit.rotation.probed_least_squares`), kept while its orthogonality residual is
     at most half the rounding level (B's rows an exact rotation of A's); otherwise, and
@@ -173,7 +211,7 @@ def _rotation(pairs: list[tuple[torch.Tensor | None, torch.Tensor | None]], laye
     if Z is not None:
         xa = [a for a, b in pairs if a is not None and b is not None]
         xb = [b for a, b in pairs if a is not None and b is not None]
-        ls = probed_least_squares(torch.cat(xb), torch.cat(xa), Z, layer_norm) if xa else None
+        ls = probed_least_squares(torch.cat(xb), torch.cat(xa), Z, layer_norm, gram) if xa else None
         if ls is not None and ls[1] <= LEAST_SQUARES_DEFECT * tol:
             return Rotation(QZ=ls[0], full=lambda: _procrustes(pairs, layer_norm), defect=ls[1])
     Q = _procrustes(pairs, layer_norm)
@@ -349,10 +387,14 @@ class _Rotations:
             g = None if name is None or src.shape(name) is None else src.rows(name, 0, src.shape(name)[0])
             gains.append(None if g is None else g.double() + lay.final.offset)
         self.why = rotation_refusal(lay, gains[0]) or rotation_refusal(lay, gains[1])
-        ea, ua = table_rows(f.a, f.cd)
-        eb, ub = table_rows(f.b, f.cd)
-        self.E, self.U = (ea, eb), (ua, ub)
         self.ln = lay.norm == "layer"
+        ea, ua = table_rows(f.a, f.cd)
+        blocks = table_blocks(f.b)
+        eb, ub = (*(prepared(x, f.cd, self.ln) for x in blocks), None)[:2]
+        self.E, self.U = (ea, eb), (ua, ub)
+        # B's Gram matrix for the least squares: its products exact on the bfloat16 units
+        same = (ua is None) == (ub is None)  # every block of B's paired with one of A's
+        gram = table_gram(blocks, f.cd, self.ln) if f.bf16 and f.Z is not None and same else None
         self.completed = ""
         if not self.why and _short(self.E, self.U, f.d - self.ln) and f.L:
             both = _procrustes([self.E, self.U], self.ln)
@@ -360,7 +402,7 @@ class _Rotations:
                 both, self.completed = _completed(f, self.E, self.U, both, self.ln)
             self.both = None if both is None else Rotation(both)
         else:
-            self.both = _rotation([self.E, self.U], self.ln, f.Z, f.tol)
+            self.both = _rotation([self.E, self.U], self.ln, f.Z, f.tol, gram)
 
     def first(self) -> tuple[Rotation | None, str]:
         if self.why:

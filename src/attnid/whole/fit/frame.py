@@ -17,9 +17,10 @@ identity and everything is exact.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,15 +64,32 @@ def stored_product(X: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
         return X @ R
     hi = R.to(torch.bfloat16).to(R.dtype)
     R2 = torch.cat([hi, (R - hi).to(torch.bfloat16).to(R.dtype)], 1)  # [d, 2k]
+    with _bf16_products():
+        Y = X @ R2
+    k = R.shape[1]
+    return Y[:, :k] + Y[:, k:]
+
+
+def stored_gram(X: torch.Tensor) -> torch.Tensor:
+    """``X^T X`` (``X [n, d]`` float32 holding bfloat16 values): on the CPU's bfloat16 units,
+    whose products of two bfloat16 values are exact and summed in float32, as the float32
+    product is, in about a third of its time (`stored_product`); float32 without the units."""
+    if not bf16_units():
+        return X.T @ X
+    with _bf16_products():
+        return X.T @ X
+
+
+@contextlib.contextmanager
+def _bf16_products() -> Iterator[None]:
+    """float32 products taken on the bfloat16 units inside (oneDNN's precision setting, restored)."""
     mm = torch.backends.mkldnn.matmul
     before = mm.fp32_precision
     mm.fp32_precision = "bf16"
     try:
-        Y = X @ R2
+        yield
     finally:
         mm.fp32_precision = before
-    k = R.shape[1]
-    return Y[:, :k] + Y[:, k:]
 
 
 @functools.cache

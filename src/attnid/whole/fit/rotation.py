@@ -46,8 +46,8 @@ def procrustes_cross(M: torch.Tensor, layer_norm: bool) -> torch.Tensor:
     return U @ R @ U.T + torch.full((d, d), 1.0 / d, dtype=M.dtype)
 
 
-def probed_least_squares(XB: torch.Tensor, XA: torch.Tensor, Z: torch.Tensor, layer_norm: bool
-                         ) -> tuple[torch.Tensor, float] | None:
+def probed_least_squares(XB: torch.Tensor, XA: torch.Tensor, Z: torch.Tensor, layer_norm: bool,
+                         gram: torch.Tensor | None = None) -> tuple[torch.Tensor, float] | None:
     """``(Y, defect)``: ``Y = Q Z [d, k]`` for ``Q`` the least-squares map ``argmin ||XB Q -
     XA||`` over all ``d x d`` matrices (``Q 1 = 1`` under LayerNorm, whose rows are centred),
     never formed: the normal equations ``(XB^T XB) Y = XB^T (XA Z)`` solved by Cholesky, about a
@@ -55,9 +55,10 @@ def probed_least_squares(XB: torch.Tensor, XA: torch.Tensor, Z: torch.Tensor, la
     a rotation only when B's rows are A's rotated; ``defect = ||Y^T Y - Z^T Z|| / sqrt(d)``
     estimates ``||Q^T Q - I|| / ||I||`` (`docs/theory.md` §13.19, probes), the relative residual
     of the invariant ``Q^T Q = I``, which the certificate compares like any other. None when
-    the rows do not span the stream (the Gram matrix is singular)."""
+    the rows do not span the stream (the Gram matrix is singular). ``gram``: ``XB^T XB``
+    when the caller has it (taken exactly from bfloat16 rows: `attnid.whole.fit.fitter.table_gram`)."""
     d = XB.shape[1]
-    G = XB.T @ XB  # [d, d]
+    G = XB.T @ XB if gram is None else gram  # [d, d]
     rhs = XB.T @ (XA @ Z)  # [d, k]
     if layer_norm:  # the rows are orthogonal to all-ones: Q maps it to itself
         alpha = float(G.diagonal().mean())
