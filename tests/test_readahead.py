@@ -92,14 +92,38 @@ def test_layer_of():
     assert [readahead.layer_of(n) for n in names] == [12, 0, -1, -1]
 
 
-@pytest.mark.parametrize("header", [b"[1, 2]", b'{"w": 3}', b'{"w": {"data_offsets": ["a", 2]}}',
-                                    b'{"w": {"data_offsets": [9, 2]}}', b'{"w": {"data_offsets": [0, 1e30]}}',
-                                    b"{not json", b""])
-def test_checkpoint_damaged_header(tmp_path, header):
-    """A header `readahead.checkpoint` cannot use is passed over (no exception: the command's
-    own reading names what is wrong)."""
+DAMAGED = {"list": b"[1, 2]", "no offsets": b'{"w": 3}', "text offsets": b'{"w": {"data_offsets": ["a", 2]}}',
+           "reversed": b'{"w": {"data_offsets": [9, 2]}}', "float": b'{"w": {"data_offsets": [0, 1e30]}}',
+           "not json": b"{not json", "empty": b"", "deep": b"[" * 200_000}
+
+
+@pytest.mark.parametrize("case", sorted(DAMAGED))
+def test_checkpoint_damaged_header(tmp_path, case):
+    """A header `readahead.checkpoint` cannot use is passed over: nothing asked for, no
+    exception (the command's own reading names what is wrong)."""
     import struct
 
+    header = DAMAGED[case]
     (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 16)
-    assert readahead.checkpoint(tmp_path) >= 0
-    assert readahead.idle()
+    assert readahead.checkpoint(tmp_path) == 0
+    assert readahead.idle(5)
+
+
+def test_span_past_any_file_end(tmp_path):
+    """Offsets no file reaches (the seek overflows) leave the reader alive: later spans are read."""
+    import struct
+
+    header = b'{"w": {"data_offsets": [1000000000000000000000000, 2000000000000000000000000]}}'
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 16)
+    assert readahead.checkpoint(tmp_path) > 0
+    assert readahead.idle(5), "the reader thread died"
+    p = tmp_path / "ok.bin"
+    p.write_bytes(b"x" * 1000)
+    assert readahead.ahead([(p, 0, 1000)]) == 1000 and readahead.idle(5)
+
+
+def test_off_and_names(tmp_path, monkeypatch):
+    assert readahead.checkpoint("gpt2") == 0  # a name, not a local path
+    assert readahead.checkpoint(tmp_path / ("x" * 5000)) == 0  # a path the OS refuses
+    monkeypatch.setenv("ATTNID_READAHEAD", "0")
+    assert readahead.checkpoint(tmp_path) == 0

@@ -59,11 +59,12 @@ class _Reader:
                     left = size
                     while left > 0 and (got := f.readinto(view[:min(left, PIECE)])):
                         left -= got
-            except OSError:
-                pass  # the pass's own read of these bytes reports what is wrong
-            with self.done:
-                self.pending -= 1
-                self.done.notify_all()
+            except Exception:  # a hint only: the pass's own read reports what is wrong
+                pass
+            finally:
+                with self.done:
+                    self.pending -= 1
+                    self.done.notify_all()
 
 
 _READER: _Reader | None = None
@@ -100,23 +101,53 @@ def layer_of(name: str) -> int:
 def checkpoint(path: str | Path, layers: int = 1) -> int:
     """Start reading a checkpoint where a streamed pass starts: the tensors outside the layers
     (tables, final norm, head), then the first ``layers`` layers, by the safetensors headers
-    alone (no torch: this can run while torch is imported). ``path``: a model directory, its
-    config.json or a .safetensors file; anything else, or a file that cannot be parsed, is
-    passed over (0): the command's own reading reports it. The bytes asked for."""
-    p = Path(path)
-    root = p if p.is_dir() else p.parent
-    files = [p] if p.suffix == ".safetensors" else sorted(root.glob("*.safetensors"))
+    alone (no torch: this can run while torch is imported). ``path``: a model directory (its
+    ``model.safetensors.index.json`` shards, else every .safetensors file), its config.json or
+    a .safetensors file; anything else, or a header that cannot be used, is passed over (0):
+    the command's own reading reports it. The bytes asked for."""
+    if os.environ.get("ATTNID_READAHEAD", "1") == "0":
+        return 0
     spans: list[tuple[int, Span]] = []
+    try:
+        files = _files(Path(path))
+    except Exception:  # a path the OS refuses: the command names it
+        return 0
     for f in files:
         try:
-            with open(f, "rb") as fh:
-                (n,) = struct.unpack("<Q", fh.read(8))
-                header = json.loads(fh.read(n)) if n < 100_000_000 else {}
-            for name, v in header.items() if isinstance(header, dict) else ():
-                if name != "__metadata__" and layer_of(name) < layers:
-                    a, b = v["data_offsets"]
-                    spans.append((layer_of(name), (f, 8 + n + int(a), int(b) - int(a))))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error):
-            continue  # a header this cannot parse: the command's own reading names what is wrong
+            spans += [(layer_of(name), span) for name, span in _header_spans(f) if layer_of(name) < layers]
+        except Exception:  # a header this cannot use: the command names what is wrong
+            continue
     spans.sort(key=lambda x: (x[0], str(x[1][0]), x[1][1]))
     return ahead(s for _, s in spans)
+
+
+def _files(p: Path) -> list[Path]:
+    if p.is_file():
+        if p.suffix == ".safetensors":
+            return [p]
+        p = p.parent  # a config.json
+    elif not p.is_dir():
+        return []  # a name (a bundled config, a hub id): nothing local to read
+    index = p / "model.safetensors.index.json"
+    if index.is_file():
+        shards = json.loads(index.read_text()).get("weight_map", {}).values()
+        return sorted({p / str(s) for s in shards})
+    return sorted(p.glob("*.safetensors"))
+
+
+def _header_spans(f: Path) -> list[tuple[str, Span]]:
+    """(name, span) of each tensor a safetensors header lists, offsets checked."""
+    with open(f, "rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        if n >= 100_000_000:
+            return []
+        header = json.loads(fh.read(n))
+    out = []
+    for name, v in header.items() if isinstance(header, dict) else ():
+        if name == "__metadata__":
+            continue
+        a, b = v["data_offsets"]
+        if not (isinstance(a, int) and isinstance(b, int) and 0 <= a <= b):
+            return []
+        out.append((name, (f, 8 + n + a, b - a)))
+    return out

@@ -54,6 +54,20 @@ def test_frame_products_agree():
         assert got.shape == want.shape, name
         err = relative_error(got, want)
         assert err < 3e-5, f"{name}: {err:.2e}"
+    if F.bf16_units():  # the other path was taken: not the float32 product's bits
+        assert not torch.equal(*cases["right 2-D"])
+
+
+def test_switch_off(monkeypatch):
+    monkeypatch.setenv("ATTNID_BF16", "0")
+    F.bf16_units.cache_clear()
+    try:
+        assert not F.bf16_units()
+        X, R = _bf16_values(50, 32), torch.randn(32, 8)
+        assert torch.equal(F.stored_product(X, R), X @ R)
+    finally:
+        monkeypatch.delenv("ATTNID_BF16")
+        F.bf16_units.cache_clear()
 
 
 @pytest.mark.parametrize("layer_norm", [False, True])

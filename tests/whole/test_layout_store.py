@@ -62,11 +62,17 @@ def test_damaged_entry_is_rebuilt(store, monkeypatch, damage):
 
 
 def test_off(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # where it would go if "0" were ignored
+    monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv("ATTNID_CACHE", "0")
     monkeypatch.setattr(L, "_BUILT", {})
     assert layout_store.directory() is None
     L.layout_for(WHOLE_CASES["llama-untied"])
     assert not list(tmp_path.rglob("*.json"))
+    monkeypatch.delenv("ATTNID_CACHE")  # the same call with the store on writes there
+    monkeypatch.setattr(L, "_BUILT", {})
+    L.layout_for(WHOLE_CASES["llama-untied"])
+    assert len(list(tmp_path.rglob("*.json"))) == 1
 
 
 def test_outside_family_not_kept(store, monkeypatch):

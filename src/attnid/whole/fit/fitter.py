@@ -228,10 +228,12 @@ class _Fitter:
         self.a, self.b = a, b
         self.lay = a.layout
         self.L = len(self.lay.layers)
-        self.dtype = max(a.dtype(), b.dtype(), key=lambda t: torch.finfo(t).eps)
+        stored = a.dtype(), b.dtype()
+        self.dtype = max(stored, key=lambda t: torch.finfo(t).eps)
         self.tol = tolerance(self.dtype)
         self.cd = compute_dtype(self.dtype)
-        self.bf16 = self.dtype == torch.bfloat16  # products at the storage precision (`stored_product`)
+        # each model's products at its storage precision when that is bfloat16 (`stored_product`)
+        self.bf16 = (stored[0] == torch.bfloat16, stored[1] == torch.bfloat16)
         ref = _spec(a)
         self.d = ref.d_model
         kk = probe_count(self.d, max(ref.head_dim, ref.v_head_dim)) if k is None else k
@@ -240,8 +242,9 @@ class _Fitter:
         self.blame: dict[int, dict[str, str]] = {}
 
     def frames(self, Q: Rotation | None) -> tuple[Frame, Frame, Frame]:
-        plain = Frame(self.Z, None, self.cd, bf16=self.bf16)  # A's, and B's unrotated
-        return plain, plain if Q is None else Q.frame(self.Z, self.cd, self.bf16), plain
+        fa = Frame(self.Z, None, self.cd, bf16=self.bf16[0])
+        f0 = Frame(self.Z, None, self.cd, bf16=self.bf16[1])  # B's, unrotated
+        return fa, f0 if Q is None else Q.frame(self.Z, self.cd, self.bf16[1]), f0
 
     def canonical(self, m: ModelTensors, unit: int, frame: Frame, ignore_norm: bool = False) -> C.Canonical:
         if unit == 0:
@@ -310,16 +313,16 @@ def fit(a: UnitSource, b: UnitSource, *, probe_k: int | None = None,
     # disagree with the rotation, the candidate more of them agree with is kept
     first = list(dict.fromkeys(u for u in (0, L + 1, 1, 2) if u <= L + 1))
     order = [*first, *(u for u in range(1, L + 1) if u not in first)]
-    for u in order[:3]:  # the rotation reads the tables and the head: on disk while it starts
-        a.read_ahead(u), b.read_ahead(u)
+    for u in order[:2]:  # the rotation reads the tables and the head: read while it starts
+        _read_ahead((a, b), u)
     f = _Fitter(a, b, probe_k, progress)
     rot = _Rotations(f)
     Q, how = rot.first()
     f.progress(f"rotation: {how}")
     results: dict[int, tuple[UnitResult, float, dict[str, torch.Tensor]]] = {}
     for k, u in enumerate(order):
-        if k + 3 < len(order):  # two units ahead of the one compared: read while it computes
-            a.read_ahead(order[k + 3]), b.read_ahead(order[k + 3])
+        if k + 2 < len(order):  # two units ahead of the one compared: read while it computes
+            _read_ahead((a, b), order[k + 2])
         results[u] = _unit(f, u, Q, rot)
         f.progress(f"unit {u} of {L + 1}: worst residual {_worst(results[u][0]):.2e}")
         if u == first[-1] and Q is not None and any(_worst(results[x][0]) > f.tol for x in first):
@@ -339,6 +342,15 @@ def fit(a: UnitSource, b: UnitSource, *, probe_k: int | None = None,
     layers = tuple(r.element or LayerElement() for r in units[1:L + 1])
     return Fit(units, [results[u][1] for u in range(L + 2)], f.tol, f.dtype,
                None if f.Z is None else f.Z.shape[1], how, Q, gains, layers)
+
+
+def _read_ahead(sources: tuple[UnitSource, ...], unit: int) -> None:
+    """Each source's unit read ahead (`attnid.readahead`); a source without ``read_ahead``
+    (one written before it was part of `UnitSource`) is read when asked, as before."""
+    for src in sources:
+        ahead = getattr(src, "read_ahead", None)
+        if ahead is not None:
+            ahead(unit)
 
 
 def _unit(f: _Fitter, u: int, Q: Rotation | None, rot: _Rotations
@@ -390,11 +402,12 @@ class _Rotations:
         self.ln = lay.norm == "layer"
         ea, ua = table_rows(f.a, f.cd)
         blocks = table_blocks(f.b)
-        eb, ub = (*(prepared(x, f.cd, self.ln) for x in blocks), None)[:2]
+        rows_b = [prepared(x, f.cd, self.ln) for x in blocks]
+        eb, ub = rows_b[0], rows_b[1] if len(rows_b) > 1 else None
         self.E, self.U = (ea, eb), (ua, ub)
         # B's Gram matrix for the least squares: its products exact on the bfloat16 units
         same = (ua is None) == (ub is None)  # every block of B's paired with one of A's
-        gram = table_gram(blocks, f.cd, self.ln) if f.bf16 and f.Z is not None and same else None
+        gram = table_gram(blocks, f.cd, self.ln) if f.bf16[1] and f.Z is not None and same else None
         self.completed = ""
         if not self.why and _short(self.E, self.U, f.d - self.ln) and f.L:
             both = _procrustes([self.E, self.U], self.ln)

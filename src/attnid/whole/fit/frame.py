@@ -20,6 +20,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import os
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,22 +82,32 @@ def stored_gram(X: torch.Tensor) -> torch.Tensor:
         return X.T @ X
 
 
+_PRECISION = threading.Lock()
+
+
 @contextlib.contextmanager
 def _bf16_products() -> Iterator[None]:
-    """float32 products taken on the bfloat16 units inside (oneDNN's precision setting, restored)."""
+    """float32 products taken on the bfloat16 units inside: oneDNN's precision setting, set
+    and restored under a lock. The setting is the process's, not the thread's: a float32
+    product another thread takes meanwhile runs at that precision too (attnid's commands take
+    none; a program running `attnid diff` beside its own float32 work in threads can set
+    ``ATTNID_BF16=0``)."""
     mm = torch.backends.mkldnn.matmul
-    before = mm.fp32_precision
-    mm.fp32_precision = "bf16"
-    try:
-        yield
-    finally:
-        mm.fp32_precision = before
+    with _PRECISION:
+        before = mm.fp32_precision
+        mm.fp32_precision = "bf16"
+        try:
+            yield
+        finally:
+            mm.fp32_precision = before
 
 
 @functools.cache
 def bf16_units() -> bool:
     """Whether float32 products may run on the CPU's bfloat16 units (AVX512-BF16 or AMX, on
-    Linux's ``/proc/cpuinfo``, with torch built with oneDNN)."""
+    Linux's ``/proc/cpuinfo``, with torch built with oneDNN); ``ATTNID_BF16=0`` says no."""
+    if os.environ.get("ATTNID_BF16", "1") == "0":
+        return False
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.backends.mkldnn, "matmul"):
         return False
     try:

@@ -17,6 +17,7 @@ written is passed over without a word: the store only saves time, it decides not
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -67,28 +68,32 @@ def _path(config_json: str) -> Path | None:
 
 def load(config_json: str) -> Entry | None:
     """The stored entry of a config (``json.dumps(config, sort_keys=True)``), or None."""
-    p = _path(config_json)
-    if p is None or not p.is_file():
-        return None
     try:
+        p = _path(config_json)
+        if p is None or not p.is_file():
+            return None
         data = json.loads(p.read_text())
         return decode(data["layout"]), tuple(data["names"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, RuntimeError, ValueError, KeyError, TypeError):  # RuntimeError: no home folder
         return None
 
 
 def save(config_json: str, entry: Entry) -> None:
     """Store an entry (written to a temporary name, then renamed: never half-written)."""
-    p = _path(config_json)
-    if p is None:
-        return
     try:
+        p = _path(config_json)
+        if p is None:
+            return
         p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_suffix(f".{os.getpid()}.tmp")
+    except (OSError, RuntimeError):  # RuntimeError: no home folder
+        return
+    tmp = p.with_suffix(f".{os.getpid()}.tmp")
+    try:
         tmp.write_text(json.dumps({"layout": asdict(entry[0]), "names": list(entry[1])}))
         os.replace(tmp, p)
     except OSError:
-        pass
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
 
 
 # ---- JSON <-> Layout ----------------------------------------------------------------------------
