@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from attnid.errors import AttnidError, require
+from attnid.readahead import header_spans
 
 # the floating dtypes attnid rewrites (any dtype torch and safetensors know is read and copied)
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -135,12 +136,9 @@ class TensorFile:
 
 
 def _data_spans(path: Path) -> dict[str, tuple[int, int]]:
-    """Each tensor's first byte in the file (``8 + header + data_offsets[0]``) and its size."""
-    with path.open("rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    return {k: (8 + n + v["data_offsets"][0], v["data_offsets"][1] - v["data_offsets"][0])
-            for k, v in header.items() if k != "__metadata__"}
+    """Each tensor's first byte in the file (``8 + header + data_offsets[0]``) and its size
+    (`attnid.readahead.header_spans`, on a header the library has validated)."""
+    return {name: (start, size) for name, (_, start, size) in header_spans(path)}
 
 
 def _diagnose(path: Path, error: Exception) -> str:

@@ -114,7 +114,7 @@ def checkpoint(path: str | Path, layers: int = 1) -> int:
         return 0
     for f in files:
         try:
-            spans += [(layer_of(name), span) for name, span in _header_spans(f) if layer_of(name) < layers]
+            spans += [(layer_of(name), span) for name, span in header_spans(f) if layer_of(name) < layers]
         except Exception:  # a header this cannot use: the command names what is wrong
             continue
     spans.sort(key=lambda x: (x[0], str(x[1][0]), x[1][1]))
@@ -135,8 +135,9 @@ def _files(p: Path) -> list[Path]:
     return sorted(p.glob("*.safetensors"))
 
 
-def _header_spans(f: Path) -> list[tuple[str, Span]]:
-    """(name, span) of each tensor a safetensors header lists, offsets checked."""
+def header_spans(f: Path) -> list[tuple[str, Span]]:
+    """(name, span) of each tensor a safetensors header lists, offsets checked (none when one
+    is not a pair of integers ``0 <= first <= last``); `attnid.io` reads its spans here too."""
     with open(f, "rb") as fh:
         (n,) = struct.unpack("<Q", fh.read(8))
         if n >= 100_000_000:

@@ -41,6 +41,7 @@ from attnid.progress import Progress
 from attnid.whole.align import SUBGROUPS
 from attnid.whole.align.aligner import Alignment, activations, align_sources
 from attnid.whole.fit.fitter import compute_dtype
+from attnid.whole.fit.source import read_ahead
 from attnid.whole.transforms.element import LayerElement
 from attnid.whole.transforms.state import ModelTensors
 
@@ -344,9 +345,7 @@ def merge_checkpoints(model_a: str | Path, model_b: str | Path, out_dir: str | P
         cd = compute_dtype(ua.dtype())
 
         def mixed(u: int) -> ModelTensors:
-            for x in (u + 1, u + 2):  # B's next units read while this one mixes (A's: write_units)
-                if x < ub.count:
-                    ub.read_ahead(x)
+            read_ahead((ub,), u + 1, u + 2)  # B's next units read while this one mixes (A's: write_units)
             return interpolate(ua.load(u, cd), ub.load(u, cd), alpha)
 
         with staged(dst, a.root, {f.path.name for f in a.files}) as tmp:

@@ -49,15 +49,18 @@ class Units:
         """A unit's tensors (with what it needs from another unit), floating ones in ``dtype``
         (None: as stored); the checkpoint's NaN check applies unless ``check=False``."""
         out = {}
-        for n in [*self.names(unit), *(x for x in unit_extras(self.layout, unit) if x in self.to_ck)]:
+        for n in self._read(unit):
             t = self.ck.tensor(self.to_ck[n], check=check)
             out[n] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
         return ModelTensors(self.layout, out, self.ck.config)
 
     def read_ahead(self, unit: int) -> None:
         """Have a unit's bytes read into the page cache in the background (`attnid.readahead`)."""
-        names = [*self.names(unit), *(x for x in unit_extras(self.layout, unit) if x in self.to_ck)]
-        self.ck.read_ahead(self.to_ck[n] for n in names)
+        self.ck.read_ahead(self.to_ck[n] for n in self._read(unit))
+
+    def _read(self, unit: int) -> list[str]:
+        """What loading a unit reads: its own names and the extras it needs from another unit."""
+        return [*self.names(unit), *(x for x in unit_extras(self.layout, unit) if x in self.to_ck)]
 
     def dtype(self) -> torch.dtype:
         return self.ck.dtype()

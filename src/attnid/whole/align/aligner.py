@@ -51,7 +51,7 @@ from attnid.whole.align.gauges import Kind, pair_fit, scalar_fit
 from attnid.whole.align.stream import ROUNDS, Pair, cross, fit_stream, gains_to, permuted, refit
 from attnid.whole.fit.frame import Frame, probes
 from attnid.whole.fit.match import SKETCH, match_heads, match_neurons
-from attnid.whole.fit.source import SplitSource, UnitSource
+from attnid.whole.fit.source import SplitSource, UnitSource, read_ahead
 from attnid.whole.transforms.element import GroupElement, LayerElement
 from attnid.whole.transforms.heads import head_permutation, query_key_transform, value_transform
 from attnid.whole.transforms.mlp import mlp_scaling, neuron_permutation
@@ -483,9 +483,7 @@ def align_sources(a: UnitSource, b: UnitSource, out: Output, *, subgroup: Subgro
         uncrossed: list[int] = []
 
         def compute(u: int) -> UnitAligned:
-            for x in (u + 1, u + 2):  # A's next units, read while this one computes (B's: the output)
-                if x < a.count:
-                    a.read_ahead(x)
+            read_ahead((a,), u + 1, u + 2)  # A's next units, read while this one computes (B's: the output)
             r = align_unit(a.load(u, dtype), b.load(u, dtype), u, b.names(u), p, with_cross=moves,
                            cross_above=eps / 2)
             if r.cross is not None:

@@ -33,7 +33,7 @@ from attnid.whole.fit.compare import Residual, UnitResult, compare_item, compare
 from attnid.whole.fit.frame import Frame, Rotation, probe_count, probes, stored_gram
 from attnid.whole.fit.match import assignment
 from attnid.whole.fit.rotation import probed_least_squares, procrustes, rows
-from attnid.whole.fit.source import UnitSource
+from attnid.whole.fit.source import UnitSource, read_ahead
 from attnid.whole.transforms.element import GroupElement, LayerElement
 from attnid.whole.transforms.residual import rotation_refusal
 from attnid.whole.transforms.state import ModelTensors
@@ -159,11 +159,12 @@ def prepared(block: tuple[torch.Tensor, torch.Tensor | None], cd: torch.dtype, l
     return X - X.mean(1, keepdim=True) if layer_norm else X
 
 
-def table_rows(src: UnitSource, cd: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Gauge-free stream rows for the rotation (`prepared` `table_blocks`): ``(E, U)``, U None
-    without an untied head behind a final norm."""
-    blocks = [prepared(b, cd, src.layout.norm == "layer") for b in table_blocks(src)]
-    return blocks[0], blocks[1] if len(blocks) > 1 else None
+def table_rows(src: UnitSource, cd: torch.dtype, blocks: list[tuple[torch.Tensor, torch.Tensor | None]]
+               | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Gauge-free stream rows for the rotation (`prepared` `table_blocks`, or ``blocks`` when
+    already read): ``(E, U)``, U None without an untied head behind a final norm."""
+    rows = [prepared(b, cd, src.layout.norm == "layer") for b in blocks or table_blocks(src)]
+    return rows[0], rows[1] if len(rows) > 1 else None
 
 
 def table_gram(blocks: list[tuple[torch.Tensor, torch.Tensor | None]], cd: torch.dtype, layer_norm: bool
@@ -313,8 +314,7 @@ def fit(a: UnitSource, b: UnitSource, *, probe_k: int | None = None,
     # disagree with the rotation, the candidate more of them agree with is kept
     first = list(dict.fromkeys(u for u in (0, L + 1, 1, 2) if u <= L + 1))
     order = [*first, *(u for u in range(1, L + 1) if u not in first)]
-    for u in order[:2]:  # the rotation reads the tables and the head: read while it starts
-        _read_ahead((a, b), u)
+    read_ahead((a, b), *order[:2])  # the rotation reads the tables and the head: read while it starts
     f = _Fitter(a, b, probe_k, progress)
     rot = _Rotations(f)
     Q, how = rot.first()
@@ -322,7 +322,7 @@ def fit(a: UnitSource, b: UnitSource, *, probe_k: int | None = None,
     results: dict[int, tuple[UnitResult, float, dict[str, torch.Tensor]]] = {}
     for k, u in enumerate(order):
         if k + 2 < len(order):  # two units ahead of the one compared: read while it computes
-            _read_ahead((a, b), order[k + 2])
+            read_ahead((a, b), order[k + 2])
         results[u] = _unit(f, u, Q, rot)
         f.progress(f"unit {u} of {L + 1}: worst residual {_worst(results[u][0]):.2e}")
         if u == first[-1] and Q is not None and any(_worst(results[x][0]) > f.tol for x in first):
@@ -342,15 +342,6 @@ def fit(a: UnitSource, b: UnitSource, *, probe_k: int | None = None,
     layers = tuple(r.element or LayerElement() for r in units[1:L + 1])
     return Fit(units, [results[u][1] for u in range(L + 2)], f.tol, f.dtype,
                None if f.Z is None else f.Z.shape[1], how, Q, gains, layers)
-
-
-def _read_ahead(sources: tuple[UnitSource, ...], unit: int) -> None:
-    """Each source's unit read ahead (`attnid.readahead`); a source without ``read_ahead``
-    (one written before it was part of `UnitSource`) is read when asked, as before."""
-    for src in sources:
-        ahead = getattr(src, "read_ahead", None)
-        if ahead is not None:
-            ahead(unit)
 
 
 def _unit(f: _Fitter, u: int, Q: Rotation | None, rot: _Rotations
@@ -402,8 +393,7 @@ class _Rotations:
         self.ln = lay.norm == "layer"
         ea, ua = table_rows(f.a, f.cd)
         blocks = table_blocks(f.b)
-        rows_b = [prepared(x, f.cd, self.ln) for x in blocks]
-        eb, ub = rows_b[0], rows_b[1] if len(rows_b) > 1 else None
+        eb, ub = table_rows(f.b, f.cd, blocks)
         self.E, self.U = (ea, eb), (ua, ub)
         # B's Gram matrix for the least squares: its products exact on the bfloat16 units
         same = (ua is None) == (ub is None)  # every block of B's paired with one of A's

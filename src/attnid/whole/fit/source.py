@@ -38,6 +38,18 @@ class UnitSource(Protocol):
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor: ...
 
 
+def read_ahead(sources: Iterable[UnitSource], *units: int) -> None:
+    """Each source's ``units`` read ahead (`attnid.readahead`), those past its last unit left
+    out; a source without ``read_ahead`` (one written before it was part of `UnitSource`) is
+    read when asked, as before."""
+    for src in sources:
+        ahead = getattr(src, "read_ahead", None)
+        if ahead is not None:
+            for u in units:
+                if 0 <= u < src.count:
+                    ahead(u)
+
+
 def assign_units(lay: Layout, names: Iterable[str]) -> dict[str, int]:
     """``state_dict`` name -> unit: 0 the tables, ``i + 1`` layer ``i``, ``L + 1`` the rest; a
     norm goes with its first reader (BERT's embedding LayerNorm with layer 0)."""

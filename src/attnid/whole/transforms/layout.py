@@ -96,13 +96,14 @@ def _meta(config_json: str, source: str) -> tuple[Layout, tuple[str, ...]]:
     if config_json not in _BUILT:
         # kept on disk for attnid's own families only: a family registered from outside
         # (a user's adapter) is code the store's key does not hash
-        builder = FAMILIES.get(json.loads(config_json).get("model_type"))
+        config = json.loads(config_json)
+        builder = FAMILIES.get(config.get("model_type"))
         home = type(builder.__self__) if hasattr(builder, "__self__") else builder  # an adapter's method
         own = builder is not None and getattr(home, "__module__", "").startswith("attnid.")
         stored = load_stored(config_json) if own else None  # built by an earlier run
         if stored is None:
             with torch.device("meta"):  # the config keeps its file's name for transformers' refusals
-                model = new_hf_model(FileConfig(json.loads(config_json), source), head=True)
+                model = new_hf_model(FileConfig(config, source), head=True)
             stored = layout_of(model), tuple(model.state_dict())
             if own:
                 save_stored(config_json, stored)
