@@ -9,7 +9,12 @@
 2. Times, each in its own process with its peak resident memory, and with the checkpoints
    evicted from the page cache first: (a) reading every tensor of both (the baseline of
    `benchmarks/diff.py`); (b) ``attnid align A B OUT --json`` (streamed: a unit at a time, each
-   pass written, then certified by diff against B); (c) ``attnid merge A B OUT --align --json``.
+   pass written, then certified by diff against B); (c) ``attnid merge A B OUT --align --json``;
+   (d) with ``--barrier``, ``attnid barrier A B --align --alphas 3`` on ``--barrier-tokens``
+   tokens of the shipped Shakespeare (a character-level tokenizer saved next to A): the loss at
+   3 points of the naive and the aligned path, streamed a layer at a time. Its time is mostly
+   the forwards (tokens x points x 2 paths), not the read: the ratio is printed with the
+   forwards' count.
 
 The timed commands read the layout from a store an earlier command filled (``ATTNID_CACHE``,
 a folder under ``--dir``; `attnid.whole.transforms.layout_store`): a first command on a model
@@ -54,6 +59,20 @@ open_units(open_checkpoint(sys.argv[1]))
 """
 
 
+def char_tokenizer(d: Path, vocab: int) -> Path:
+    """A character-level tokenizer (ids below ``vocab``) saved in ``d``; the text it reads."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from attnid.data import __file__ as data
+
+    chars = {chr(c): i + 1 for i, c in enumerate(range(32, 32 + min(vocab, 96) - 1))}
+    tok = Tokenizer(models.WordLevel({"<unk>": 0, **chars}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(d)
+    return Path(data).parent / "shakespeare.txt"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="Llama-2-7b", help="a bundled config name or a config.json")
@@ -62,6 +81,8 @@ def main() -> None:
     ap.add_argument("--dir", default="/tmp/attnid-bench-align")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoints")
     ap.add_argument("--skip-merge", action="store_true", help="time align only")
+    ap.add_argument("--barrier", action="store_true", help="also time attnid barrier --align")
+    ap.add_argument("--barrier-tokens", type=int, default=512, help="tokens barrier evaluates")
     args = ap.parse_args()
     from attnid.adapters.config import load_config
 
@@ -91,10 +112,22 @@ def main() -> None:
         jobs = [("align", ["align", str(a), str(b), str(out), "--force"])]
         if not args.skip_merge:
             jobs.append(("merge", ["merge", str(a), str(b), str(merged), "--align", "--force"]))
+        if args.barrier:
+            text = char_tokenizer(a, int(config["vocab_size"]))
+            jobs.append(("barrier", ["barrier", str(a), str(b), "--calibration", str(text), "--align",
+                                     "--alphas", "3", "--context", "128",
+                                     "--max-tokens", str(args.barrier_tokens)]))
         for name, argv in jobs:
             evict(a, b)
             t, m, stdout = run(COMMAND, *argv, env=store)
             r = json.loads(stdout)
+            if name == "barrier":
+                print(f"attnid barrier: {t:.1f}s, peak {m:.2f} GB -> {t / t_read:.2f}x the read; "
+                      f"{r['tokens']} tokens at 3 points of 2 paths; barriers "
+                      + ", ".join(f"{k} {v:.4f}" for k, v in r["barriers"].items()))
+                rows |= {"barrier_s": t, "barrier_ratio": t / t_read, "barrier_peak_gb": m,
+                         "barrier_tokens": r["tokens"]}
+                continue
             share = r["aligned_distance"] / max(r["raw_distance"], 1e-300)
             print(f"attnid {name:5s}: {t:.1f}s, peak {m:.2f} GB -> {t / t_read:.2f}x the read; aligned "
                   f"distance {share:.2e} of the raw one, max residual {r['max_residual']:.2e}")

@@ -44,14 +44,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from attnid.checkpoint.align import CALIBRATION_TOKENS, REFINE_TOKENS, load_tensors
-from attnid.checkpoint.barrier import Evaluator, mid_barrier, path_losses
+from attnid.checkpoint.barrier import mid_barrier, path_losses
 from attnid.checkpoint.evaluate import load_causal_lm
+from attnid.checkpoint.layerwise import LayerwiseLM
 from attnid.checkpoint.load import open_checkpoint
 from attnid.checkpoint.tokens import read_chunks
 from attnid.checkpoint.units import open_units
 from attnid.progress import Progress
 from attnid.whole.align import SUBGROUPS, align
 from attnid.whole.align.refine import refinable_parts, refine
+from attnid.whole.fit.source import TensorSource
 from attnid.whole.transforms.state import ModelTensors
 
 
@@ -89,7 +91,7 @@ def run_pair(arch: str, hf_a: Path, hf_b: Path, data: Path, calibration: Path, m
     chunks = read_chunks(ck, data, context=context, max_tokens=tokens)
     fitted = read_chunks(ck, calibration, context=context, max_tokens=REFINE_TOKENS).ids  # refinement
     calib = fitted[:CALIBRATION_TOKENS // context]  # matching on activations
-    ev = Evaluator(ck)
+    ev, a_src = LayerwiseLM(TensorSource(A)), TensorSource(A)  # the path streamed, as attnid barrier
     lm = load_causal_lm(ck)
     result: dict = {"tokens": chunks.tokens, "context": context, "calibration_tokens": int(calib.numel()),
                     "refine_tokens": int(fitted.numel()),
@@ -100,7 +102,7 @@ def run_pair(arch: str, hf_a: Path, hf_b: Path, data: Path, calibration: Path, m
         t0 = time.perf_counter()
         al = align(A, B, subgroup=subgroup, calibration=calib if matching == "activations" else None)  # type: ignore[arg-type]
         seconds = time.perf_counter() - t0
-        losses = path_losses(ev, A, al.model, chunks, alphas, shown, f"{arch} {name}")
+        losses = path_losses(ev, a_src, TensorSource(al.model), chunks, alphas, shown, f"{arch} {name}")
         rep = al.to_dict()
         result["variants"][name] = {
             "barrier": mid_barrier(alphas, losses), "losses": losses, "stream": al.stream,
@@ -122,7 +124,8 @@ def run_pair(arch: str, hf_a: Path, hf_b: Path, data: Path, calibration: Path, m
                 r = refine(A, al.model, lm, fitted, refine_steps, subgroup=subgroup, parts=only, lr=lr,
                            permuted_stream=al.stream_permutation is not None, progress=shown)
                 wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-                losses = path_losses(ev, A, r.model, chunks, alphas, shown, f"{arch} {label}")
+                losses = path_losses(ev, a_src, TensorSource(r.model), chunks, alphas, shown,
+                                     f"{arch} {label}")
                 result["variants"][label] = {
                     "barrier": mid_barrier(alphas, losses), "losses": losses, "refined": r.to_dict(),
                     "refine_seconds": wall, "refine_cpu_seconds": cpu, "align_seconds": seconds,

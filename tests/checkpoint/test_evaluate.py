@@ -77,9 +77,9 @@ def test_perplexity_matches_a_hand_computation(tiny, capsys, context):
 
 
 def test_barrier_loss_is_the_same_evaluator(tiny):
-    from attnid.checkpoint.align import load_tensors
-    from attnid.checkpoint.barrier import Evaluator
+    """At ``alpha = 0`` the streamed path (a layer at a time) is `attnid eval`'s loss of A."""
     from attnid.checkpoint.evaluate import load_causal_lm, token_nll
+    from attnid.checkpoint.layerwise import LayerwiseLM, Segment
     from attnid.checkpoint.load import open_checkpoint
     from attnid.checkpoint.tokens import read_chunks
     from attnid.checkpoint.units import open_units
@@ -87,7 +87,8 @@ def test_barrier_loss_is_the_same_evaluator(tiny):
     ck = open_checkpoint(tiny["model"])
     data = read_chunks(ck, tiny["text"], context=16)
     mine = token_nll(load_causal_lm(ck), data).mean
-    theirs = Evaluator(ck).loss(load_tensors(open_units(ck)), data)
+    u = open_units(ck)
+    theirs = LayerwiseLM(u).losses(Segment(u, u), [0.0], data)[0].mean
     assert abs(mine - theirs) <= 1e-12 * abs(theirs), (mine, theirs)
 
 

@@ -3,6 +3,8 @@ checkpoints of one causal language model, before and after B is aligned onto A
 (docs/theory.md §13.20). The mid-point barrier is the loss at ``alpha = 0.5`` less the mean
 of the two end losses. The text is tokenized with A's own tokenizer (read offline) and cut
 into chunks of the model's context; the loss is the mean next-token cross-entropy (nats).
+Each path is streamed: every point's forward runs one decoder layer at a time, the layer's
+weights at that point made as both checkpoints' tensors are read (`attnid.checkpoint.layerwise`).
 """
 
 from __future__ import annotations
@@ -12,43 +14,25 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from attnid.checkpoint.evaluate import check_causal, load_causal_lm, token_nll
-from attnid.checkpoint.load import Checkpoint
+from attnid.checkpoint.evaluate import check_causal
+from attnid.checkpoint.layerwise import LayerwiseLM, Segment, Source
 from attnid.checkpoint.tokens import Batches, read_chunks
+from attnid.checkpoint.units import Units
 from attnid.errors import AttnidError
 from attnid.progress import Progress
-from attnid.whole.transforms.state import ModelTensors
 
 END_LOSS_RTOL = 1e-4  # aligned B against B, both evaluated in float32
 
 
-class Evaluator:
-    """One Hugging Face model (A's class and config, float32 or float64) whose weights are
-    replaced by each point of the path in turn."""
-
-    def __init__(self, ck: Checkpoint, dtype: torch.dtype = torch.float32) -> None:
-        self.model = load_causal_lm(ck, dtype)  # the evaluator `attnid eval` runs
-        self.dtype = dtype
-
-    def loss(self, m: ModelTensors, data: Batches) -> float:
-        from attnid.adapters.base import load_weights
-
-        load_weights(self.model, {k: v.to(self.dtype) for k, v in m.tensors.items() if v.is_floating_point()})
-        return token_nll(self.model, data).mean
-
-
-def path_losses(ev: Evaluator, A: ModelTensors, B: ModelTensors, data: Batches, alphas: list[float],
+def path_losses(lm: LayerwiseLM, a: Source, b: Source, data: Batches, alphas: list[float],
                 progress: Progress | None = None, label: str = "") -> list[float]:
-    """The loss at each ``alpha`` of the straight path from A to B."""
-    from attnid.checkpoint.align import interpolate
-
-    out = []
-    for k, t in enumerate(alphas):
-        out.append(ev.loss(interpolate(A, B, t), data))
-        if progress is not None:
-            progress.line(f"{label} alpha {t:.3f} ({k + 1}/{len(alphas)}): loss {out[-1]:.4f}")
+    """The loss at each ``alpha`` of the straight path from ``a`` to ``b``, streamed a layer at
+    a time (`attnid.checkpoint.layerwise`)."""
+    shown = (lambda line: progress.line(f"{label}: {line}")) if progress is not None else None
+    out = [x.mean for x in lm.losses(Segment(a, b), alphas, data, shown)]
+    if progress is not None:
+        for k, (t, y) in enumerate(zip(alphas, out, strict=True)):
+            progress.line(f"{label} alpha {t:.3f} ({k + 1}/{len(alphas)}): loss {y:.4f}")
     return out
 
 
@@ -80,7 +64,6 @@ def barrier(model_a: str | Path, model_b: str | Path, data: str | Path, *, align
         aligned_files,
         check_refine,
         check_subgroup,
-        load_tensors,
         open_pair,
         refined_files,
     )
@@ -98,26 +81,28 @@ def barrier(model_a: str | Path, model_b: str | Path, data: str | Path, *, align
         a, refine_calibration, context=context, max_tokens=REFINE_TOKENS,
         option="--refine-calibration").ids
     shown = progress if progress is not None else Progress(enabled=False)
-    A, B = load_tensors(ua, torch.float32), load_tensors(ub, torch.float32)  # what the evaluator runs
-    ev = Evaluator(a)
-    curves = {"naive": path_losses(ev, A, B, chunks, ts, shown, "naive")}
-    distances = {"naive": None}
-    refined = None
-    if aligned:
-        dst = b.root.parent / f"{b.root.name}-aligned"
-        al, written, _, _ = aligned_files(ua, ub, dst, subgroup,
-                                          progress=shown.line)  # streamed, certified: still B's function
-        moved = {}
-        try:
-            moved["aligned"] = _tensors(written, ub.untied is not None)
+    written, al, refined = None, None, None
+    try:
+        if aligned:  # first: the alignment's memory is given back before the evaluator's is taken
+            dst = b.root.parent / f"{b.root.name}-aligned"
+            al, written, _, _ = aligned_files(ua, ub, dst, subgroup,
+                                              progress=shown.line)  # streamed, certified: still B's function
+        lm = LayerwiseLM(ua)  # one layer's weights at a time, A's class and config, float32
+        curves = {"naive": path_losses(lm, ua, ub, chunks, ts, shown, "naive")}
+        if written is not None:
+            curves["aligned"] = path_losses(lm, ua, _units(written, ub), chunks, ts, shown, "aligned")
             if refine is not None:
-                assert calib is not None  # check_refine
+                assert calib is not None and al is not None  # check_refine
                 written, _, _, refined = refined_files(a, ua, ub, al, written, dst, calib, refine, shown)
-                moved["refined"] = _tensors(written, ub.untied is not None)
-        finally:
+                curves["refined"] = path_losses(lm, ua, _units(written, ub), chunks, ts, shown, "refined")
+    finally:
+        if written is not None:
             shutil.rmtree(written, ignore_errors=True)
-        for name, m in moved.items():
-            curves[name] = path_losses(ev, A, m, chunks, ts, shown, name)
+    distances = {"naive": None}
+    if al is not None:
+        for name in ("aligned", "refined"):
+            if name not in curves:
+                continue
             end, want = curves[name][-1], curves["naive"][-1]
             if abs(end - want) > END_LOSS_RTOL * abs(want):  # the aligned B is B: the same loss
                 raise AttnidError(f"refused: {name} B's loss {end:.6f} is not B's {want:.6f}")
@@ -130,16 +115,16 @@ def barrier(model_a: str | Path, model_b: str | Path, data: str | Path, *, align
             "seconds": time.perf_counter() - start}
 
 
-def _tensors(folder: Path, untie: bool) -> ModelTensors:
-    """A written checkpoint's tensors in float32 (what the evaluator runs)."""
-    from attnid.checkpoint.align import load_tensors
+def _units(folder: Path, ub: Units) -> Units:
+    """A written B (aligned, refined) read as B is (untied when B is)."""
     from attnid.checkpoint.load import open_checkpoint
     from attnid.checkpoint.units import open_units
 
-    return load_tensors(open_units(open_checkpoint(folder, purpose="barrier"), untie=untie), torch.float32)
+    return open_units(open_checkpoint(folder, purpose="barrier"), untie=ub.untied is not None)
 
 
-def plot_path(alphas: list[float], curves: dict[str, list[float]], path: str | Path, title: str = "") -> None:
+def plot_path(alphas: list[float], curves: dict[str, list[float]], path: str | Path,
+              title: str = "") -> None:
     """The loss along the path, one line per curve, the mid-point barrier in the legend."""
     import matplotlib
 

@@ -54,6 +54,10 @@ class Units:
             out[n] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
         return ModelTensors(self.layout, out, self.ck.config)
 
+    def tensor(self, name: str, *, check: bool = True) -> torch.Tensor:
+        """One tensor by its ``state_dict`` name, as stored (the NaN check unless ``check=False``)."""
+        return self.ck.tensor(self.to_ck[name], check=check)
+
     def read_ahead(self, unit: int) -> None:
         """Have a unit's bytes read into the page cache in the background (`attnid.readahead`)."""
         self.ck.read_ahead(self.to_ck[n] for n in self._read(unit))

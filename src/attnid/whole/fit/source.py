@@ -119,6 +119,13 @@ class TensorSource:
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         return self.m.tensors[name][start:stop]
 
+    def tensor(self, name: str, *, check: bool = True) -> torch.Tensor:
+        """One tensor by its ``state_dict`` name (as `attnid.checkpoint.units.Units.tensor`)."""
+        t = self.m.tensors[name]
+        if check and t.is_floating_point() and not torch.isfinite(t).all():
+            raise AttnidError(f"tensor {name} holds NaN or Inf values")
+        return t
+
 
 class SplitSource(TensorSource):
     """A model in memory handed out one unit at a time, like a checkpoint's units: a unit's own

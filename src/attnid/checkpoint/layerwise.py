@@ -1,0 +1,255 @@
+"""A causal language model's loss at many points of the straight path between two checkpoints,
+run one decoder layer at a time: what `attnid barrier` measures, holding one layer's weights
+(and the hidden states of the chunks in flight), never a whole model.
+
+The transformers model is built without its decoder layers (its embeddings, final norm, head
+and position buffers real), and each layer's place in it is taken by a *slot*. Each (point,
+batch) pair runs the model's own ``forward`` in a thread of its own, which stops at every slot
+until the driver has put that layer's weights, at that point of the path, into the one real
+layer module; only one thread runs at a time. So the driver streams the checkpoints layer by
+layer (the outer loop) while every forward is transformers' own code: masks, positions and
+each layer's inputs are whatever the model passes, for any family. The weights at a point are
+``(1 - t) A + t B`` in float32, as `attnid.checkpoint.align.interpolate` computes them.
+
+The hidden states of all points and chunks of a *group* of chunks are held together; groups
+are sized so they stay under :data:`HIDDEN_BUDGET` bytes (at least one chunk), and each group
+streams the layers once (a small model's text is one group; a 7B model's, 256-token chunks at
+11 points, 3 chunks).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from attnid.checkpoint.evaluate import TokenLoss
+from attnid.checkpoint.tokens import Batches
+from attnid.errors import AttnidError
+from attnid.whole.transforms.layout import Layout
+
+HIDDEN_BUDGET = 2**29  # bytes of hidden states (3 per chunk and point: embeddings, stream, a layer's output)
+DTYPE = torch.float32  # what the evaluator runs, as `attnid eval`
+
+
+class _Gate:
+    """One (point, batch) forward, run in its own thread and stopped at every slot."""
+
+    def __init__(self, run: Callable[[], TokenLoss]) -> None:
+        self.go, self.parked = threading.Semaphore(0), threading.Semaphore(0)
+        self.layer: nn.Module | None = None
+        self.at = -1  # the slot it waits at; -1: not started; None once finished
+        self.result: TokenLoss | None = None
+        self.error: BaseException | None = None
+        self.cancelled = False
+        self.thread = threading.Thread(target=self._body, args=(run,), daemon=True)
+        self.thread.start()
+
+    def _body(self, run: Callable[[], TokenLoss]) -> None:
+        self.go.acquire()
+        _CURRENT.gate = self
+        try:
+            if self.cancelled:
+                return
+            with torch.no_grad():
+                self.result = run()
+        except _CancelledError:
+            pass
+        except BaseException as e:  # handed to the driver, which raises it
+            self.error = e
+        finally:
+            self.at = None  # type: ignore[assignment]
+            self.parked.release()
+
+    def resume(self, layer: nn.Module | None) -> None:
+        """Run until the next slot (or the end), with ``layer`` for the slot it waits at."""
+        self.layer = layer
+        self.go.release()
+        self.parked.acquire()
+        if self.error is not None:
+            raise self.error
+
+    def wait_at(self, index: int) -> nn.Module:
+        """Called in the gate's thread: park at slot ``index`` until the driver resumes it."""
+        self.at = index
+        self.parked.release()
+        self.go.acquire()
+        if self.cancelled or self.layer is None:
+            raise _CancelledError
+        return self.layer
+
+    def cancel(self) -> None:
+        """Let a thread that has not finished end (a failed run: none left waiting)."""
+        if self.at is not None:
+            self.cancelled = True
+            self.go.release()
+
+
+_CURRENT = threading.local()
+
+
+class _CancelledError(Exception):
+    """Ends a forward whose run failed elsewhere."""
+
+
+class _Slot(nn.Module):
+    """A decoder layer's place in the model: a forward through it waits for the driver, then
+    runs the real layer the driver hands over on the same inputs."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return _CURRENT.gate.wait_at(self.index)(*args, **kwargs)
+
+
+class Source(Protocol):
+    """What the evaluator reads: a checkpoint's units (`attnid.checkpoint.units.Units`) or a
+    model in memory (`attnid.whole.fit.source.TensorSource`)."""
+
+    layout: Layout
+    config: dict[str, Any]
+    unit_of: Mapping[str, int]  # state_dict name -> unit (0 tables, 1..L layer, L + 1 the rest)
+
+    def tensor(self, name: str, *, check: bool = True) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class Segment:
+    """The straight path from ``a`` to ``b`` (one architecture, `attnid.checkpoint.align.open_pair`)."""
+
+    a: Source
+    b: Source
+
+    def put(self, into: dict[str, torch.Tensor], t: float) -> None:
+        """Copy ``(1 - t) A + t B`` of each tensor named in ``into`` into it (float32, rounded
+        as `attnid.checkpoint.align.interpolate` rounds; exact at both ends), one tensor read
+        at a time."""
+        for n, p in into.items():
+            if t == 0.0 or t == 1.0:
+                p.copy_((self.a if t == 0.0 else self.b).tensor(n))
+                continue
+            p.copy_(self.a.tensor(n)).mul_(1.0 - t)
+            y = self.b.tensor(n)
+            p.add_(y.to(p.dtype).mul_(t) if y.dtype != p.dtype else y * t)
+
+
+class LayerwiseLM:
+    """``units``' causal language model (its config, float32) with its decoder layers run one
+    at a time (see the module)."""
+
+    def __init__(self, units: Source) -> None:
+        from attnid.adapters.base import hf_config, hf_model_class
+
+        lay = units.layout
+        self.L = len(lay.layers)
+        self.prefixes = lay.layers
+        conf = hf_config(units.config)
+        self.width = int(conf.hidden_size)
+        cls = hf_model_class(units.config)
+        with torch.device("meta"):  # the layers, without memory until each is run
+            full = cls(conf).eval()  # no dropout
+        self.layers = [full.get_submodule(p.rstrip(".")) for p in lay.layers]
+        for layer in self.layers:
+            if any(True for _ in layer.buffers()):
+                raise AttnidError(f"internal: {type(layer).__name__} has buffers: the layer-by-layer "
+                                  "evaluator runs only layers made of parameters")
+        kept = {k: getattr(conf, k) for k in ("num_hidden_layers", "layer_types") if hasattr(conf, k)}
+        conf.num_hidden_layers = 0  # the rest of the model built for real: embeddings, head, positions
+        if "layer_types" in kept and kept["layer_types"] is not None:
+            conf.layer_types = []
+        try:
+            self.model = cls(conf).to(DTYPE).eval()
+        finally:
+            for k, v in kept.items():
+                setattr(conf, k, v)
+        container = self.model.get_submodule(lay.layers[0].rstrip(".").rsplit(".", 1)[0])
+        if not isinstance(container, nn.ModuleList):
+            raise AttnidError(f"internal: {type(container).__name__} holds the layers, not a ModuleList")
+        container.extend(_Slot(i) for i in range(self.L))
+        self.params = dict(self.model.named_parameters())
+        self.rest = [n for n, u in units.unit_of.items() if u in (0, self.L + 1)]
+        missing = [n for n in self.params if n not in self.rest and not self._tied(n)]
+        if missing:
+            raise AttnidError(f"internal: no tensor for {missing[0]} in the checkpoint's tables and head")
+
+    def _tied(self, name: str) -> bool:
+        """A parameter sharing its storage with one the checkpoint provides (a tied head)."""
+        ptr = self.params[name].data_ptr()
+        return any(self.params[n].data_ptr() == ptr for n in self.rest if n in self.params)
+
+    def _set_rest(self, path: Segment, t: float) -> None:
+        """The tables, final norm and head at point ``t``."""
+        path.put({n: p.data for n, p in self.params.items() if n in self.rest}, t)
+
+    def _set_layer(self, path: Segment, i: int, t: float) -> None:
+        prefix = self.prefixes[i]
+        own = {prefix + n: p.data for n, p in self.layers[i].named_parameters()}
+        if set(own) != {n for n in path.a.names(i + 1) if n.startswith(prefix)}:
+            raise AttnidError(f"internal: layer {i}'s checkpoint tensors are not its parameters")
+        path.put(own, t)
+
+    def losses(self, path: Segment, ts: Sequence[float], data: Batches,
+               progress: Callable[[str], None] | None = None) -> list[TokenLoss]:
+        """The summed next-token loss of ``data`` at each point ``ts`` of ``path`` (`token_nll`'s
+        sums, ``data.batch`` chunks a forward at most)."""
+        n, T = int(data.ids.shape[0]), int(data.ids.shape[1])
+        per_chunk = 3 * T * self.width * torch.finfo(DTYPE).bits // 8 * len(ts)  # all points' hidden states
+        group = max(1, HIDDEN_BUDGET // per_chunk)
+        totals = [TokenLoss(0.0, 0) for _ in ts]
+        for g in range(0, n, group):
+            chunks = data.ids[g:g + group]
+            if progress is not None and n > group:
+                progress(f"chunks {g + 1}-{g + len(chunks)} of {n}")
+            batches = [chunks[s:s + data.batch] for s in range(0, len(chunks), data.batch)]
+            for k, part in enumerate(self._group(path, ts, batches, progress)):
+                totals[k] = TokenLoss(totals[k].total + part.total, totals[k].count + part.count)
+        return totals
+
+    def _group(self, path: Segment, ts: Sequence[float], chunks: list[torch.Tensor],
+               progress: Callable[[str], None] | None) -> list[TokenLoss]:
+        gates: list[list[_Gate]] = []
+        try:
+            for t in ts:
+                self._set_rest(path, t)
+                gates.append([_Gate(lambda x=x: self._nll(x)) for x in chunks])
+                for gate in gates[-1]:
+                    gate.resume(None)  # embeddings, then parked at slot 0
+            for i, layer in enumerate(self.layers):
+                layer.to_empty(device="cpu")
+                layer.to(DTYPE)
+                try:
+                    for k, t in enumerate(ts):
+                        self._set_layer(path, i, t)
+                        if i == self.L - 1:
+                            self._set_rest(path, t)  # the last layer's forwards run on to the head
+                        for gate in gates[k]:
+                            if gate.at != i:
+                                raise AttnidError(f"internal: a forward skipped layer {i}")
+                            gate.resume(layer)
+                finally:
+                    layer.to(device="meta")
+                if progress is not None:
+                    progress(f"layer {i + 1}/{self.L} at {len(ts)} points")
+            if any(g.at is not None or g.result is None for row in gates for g in row):
+                raise AttnidError("internal: a forward did not reach the loss")
+            return [TokenLoss(sum(g.result.total for g in row), sum(g.result.count for g in row))  # type: ignore[union-attr]
+                    for row in gates]
+        finally:
+            for row in gates:  # a failed run: no thread left waiting
+                for g in row:
+                    g.cancel()
+
+    def _nll(self, x: torch.Tensor) -> TokenLoss:
+        """The summed cross-entropy of tokens 2..T of each chunk of ``x`` (`token_nll`'s sums)."""
+        logits = self.model(input_ids=x, use_cache=False).logits[:, :-1]  # [b, T-1, V]
+        target = x[:, 1:]  # [b, T-1]
+        total = 0.0
+        for row, want in zip(logits, target, strict=True):  # float64 a chunk at a time: [T-1, V]
+            total += float(torch.nn.functional.cross_entropy(row.to(torch.float64), want, reduction="sum"))
+        return TokenLoss(total, target.numel())

@@ -1,0 +1,129 @@
+"""The loss along a path run one decoder layer at a time (`attnid.checkpoint.layerwise`, what
+`attnid barrier` streams) is the whole model's loss at every point, for every causal family of
+the catalogue: the same transformers forward, so the same numbers (relative 1e-12); in token
+groups it sums to the same; a forward that fails raises its error and leaves no thread behind."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from attnid.testing.catalogue import WHOLE_CASES
+
+CAUSAL = [k for k, c in WHOLE_CASES.items()
+          if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in c.get("architectures", []))]
+POINTS = [0.0, 0.3, 1.0]
+
+
+def pair(config: dict, root: Path):
+    """Two float32 checkpoints of one tiny architecture (B: A moved off by noise), their units,
+    and their state dicts."""
+    from attnid.checkpoint.load import open_checkpoint
+    from attnid.checkpoint.units import open_units
+    from attnid.testing.models import tiny_model
+
+    out = []
+    for k in range(2):
+        m = tiny_model(config).float()
+        if k:
+            g = torch.Generator().manual_seed(1)
+            with torch.no_grad():
+                for p in m.parameters():
+                    p.add_(0.1 * torch.randn(p.shape, generator=g))
+        m.save_pretrained(root / f"m{k}")
+        out.append((open_units(open_checkpoint(root / f"m{k}")), m))
+    return out
+
+
+def data(config: dict, n: int = 5, batch: int = 2):
+    from attnid.checkpoint.tokens import Batches
+
+    T = min(6, config.get("n_positions") or config.get("max_position_embeddings") or 16)
+    return Batches(torch.randint(0, config["vocab_size"], (n, T), generator=torch.Generator().manual_seed(0)),
+                   batch=batch)
+
+
+def whole_losses(ua, ma, mb, batches, points) -> list[float]:
+    """Each point's loss by the whole float32 model `attnid eval` runs, its weights
+    ``(1 - t) A + t B``."""
+    from attnid.checkpoint.evaluate import load_causal_lm, token_nll
+
+    sa, sb = ma.state_dict(), mb.state_dict()
+    out = []
+    for t in points:
+        m = load_causal_lm(ua.ck)
+        m.load_state_dict({k: (1 - t) * v + t * sb[k] if v.is_floating_point() else v for k, v in sa.items()})
+        out.append(token_nll(m, batches).mean)
+    return out
+
+
+@pytest.mark.parametrize("case", CAUSAL)
+def test_streamed_path_is_the_whole_model(case, tmp_path):
+    from attnid.checkpoint.layerwise import LayerwiseLM, Segment
+
+    config = WHOLE_CASES[case]
+    (ua, ma), (ub, mb) = pair(config, tmp_path)
+    batches = data(config)
+    want = whole_losses(ua, ma, mb, batches, POINTS)
+    got = [x.mean for x in LayerwiseLM(ua).losses(Segment(ua, ub), POINTS, batches)]
+    rel = max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True))
+    assert rel <= 1e-12, f"{case}: streamed {got} vs whole {want}: relative {rel:.3g}"
+    assert len(set(want)) == len(want), f"{case}: the points should differ: {want}"
+
+
+def test_token_groups_sum_to_the_same(tmp_path, monkeypatch):
+    """Hidden states over the budget: each chunk its own group, each group streaming the layers."""
+    from attnid.checkpoint import layerwise
+    from attnid.checkpoint.layerwise import LayerwiseLM, Segment
+
+    config = WHOLE_CASES["llama-gqa-2layers"]
+    (ua, _), (ub, _) = pair(config, tmp_path)
+    batches = data(config, n=7, batch=1)  # the same forwards either way (float32 depends on the batch)
+    one = LayerwiseLM(ua).losses(Segment(ua, ub), POINTS, batches)
+    monkeypatch.setattr(layerwise, "HIDDEN_BUDGET", 1)
+    lines: list[str] = []
+    many = LayerwiseLM(ua).losses(Segment(ua, ub), POINTS, batches, lines.append)
+    assert [x.count for x in one] == [x.count for x in many] == [7 * 5] * 3
+    rel = max(abs(x.total - y.total) / abs(x.total) for x, y in zip(one, many, strict=True))
+    assert rel <= 1e-12, f"groups {many} vs one {one}: relative {rel:.3g}"
+    assert sum(line.startswith("chunks ") for line in lines) == 7, lines  # a chunk a group
+
+
+def test_a_failing_layer_raises_and_leaves_no_thread(tmp_path, monkeypatch):
+    from attnid.checkpoint.layerwise import LayerwiseLM, Segment
+
+    config = WHOLE_CASES["llama-gqa-2layers"]
+    (ua, _), (ub, _) = pair(config, tmp_path)
+    lm = LayerwiseLM(ua)
+    before = threading.active_count()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("layer 1 broke")
+
+    monkeypatch.setattr(lm.layers[1], "forward", broken)
+    with pytest.raises(RuntimeError, match="layer 1 broke"):
+        lm.losses(Segment(ua, ub), POINTS, data(config))
+    for t in threading.enumerate():
+        if t is not threading.current_thread() and t.daemon:
+            t.join(timeout=5)
+    assert threading.active_count() <= before, [t.name for t in threading.enumerate()]
+
+
+def test_a_model_in_memory_is_read_like_its_checkpoint(tmp_path):
+    """`TensorSource` (what `benchmarks/merge.py` aligns in memory) gives the checkpoint's losses."""
+    from attnid.checkpoint.align import load_tensors
+    from attnid.checkpoint.layerwise import LayerwiseLM, Segment
+    from attnid.whole.fit.source import TensorSource
+
+    config = WHOLE_CASES["gpt2-tied"]
+    (ua, _), (ub, _) = pair(config, tmp_path)
+    batches = data(config)
+    files = LayerwiseLM(ua).losses(Segment(ua, ub), POINTS, batches)
+    a, b = (TensorSource(load_tensors(u, torch.float32)) for u in (ua, ub))
+    memory = LayerwiseLM(a).losses(Segment(a, b), POINTS, batches)
+    assert [x.total for x in files] == [x.total for x in memory], (files, memory)
