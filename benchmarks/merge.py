@@ -46,7 +46,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attnid.checkpoint.align import CALIBRATION_TOKENS, REFINE_TOKENS, load_tensors
 from attnid.checkpoint.barrier import mid_barrier, path_losses
 from attnid.checkpoint.evaluate import load_causal_lm
-from attnid.checkpoint.layerwise import LayerwiseLM
 from attnid.checkpoint.load import open_checkpoint
 from attnid.checkpoint.tokens import read_chunks
 from attnid.checkpoint.units import open_units
@@ -54,6 +53,7 @@ from attnid.progress import Progress
 from attnid.whole.align import SUBGROUPS, align
 from attnid.whole.align.refine import refinable_parts, refine
 from attnid.whole.fit.source import TensorSource
+from attnid.whole.layerwise import LayerwiseLM
 from attnid.whole.transforms.state import ModelTensors
 
 

@@ -78,17 +78,18 @@ def test_perplexity_matches_a_hand_computation(tiny, capsys, context):
 
 def test_barrier_loss_is_the_same_evaluator(tiny):
     """At ``alpha = 0`` the streamed path (a layer at a time) is `attnid eval`'s loss of A."""
+    from attnid.checkpoint.barrier import path_losses
     from attnid.checkpoint.evaluate import load_causal_lm, token_nll
-    from attnid.checkpoint.layerwise import LayerwiseLM, Segment
     from attnid.checkpoint.load import open_checkpoint
     from attnid.checkpoint.tokens import read_chunks
     from attnid.checkpoint.units import open_units
+    from attnid.whole.layerwise import LayerwiseLM
 
     ck = open_checkpoint(tiny["model"])
     data = read_chunks(ck, tiny["text"], context=16)
     mine = token_nll(load_causal_lm(ck), data).mean
     u = open_units(ck)
-    theirs = LayerwiseLM(u).losses(Segment(u, u), [0.0], data)[0].mean
+    theirs = path_losses(LayerwiseLM(u), u, u, data, [0.0])[0]
     assert abs(mine - theirs) <= 1e-12 * abs(theirs), (mine, theirs)
 
 

@@ -1,4 +1,4 @@
-"""The loss along a path run one decoder layer at a time (`attnid.checkpoint.layerwise`, what
+"""The loss along a path run one decoder layer at a time (`attnid.whole.layerwise`, what
 `attnid barrier` streams) is the whole model's loss at every point, for every causal family of
 the catalogue: the same transformers forward, so the same numbers (relative 1e-12); in token
 groups it sums to the same; a forward that fails raises its error and leaves no thread behind."""
@@ -48,6 +48,15 @@ def data(config: dict, n: int = 5, batch: int = 2):
                    batch=batch)
 
 
+def losses(lm, a, b, batches, progress=None):
+    """The summed loss at each of POINTS on the path from ``a`` to ``b``, streamed."""
+    from attnid.checkpoint.evaluate import TokenLoss, batch_nll
+    from attnid.whole.layerwise import Segment
+
+    parts = lm.run(Segment(a, b), POINTS, batches.ids, batches.batch, batch_nll, progress)
+    return [TokenLoss(sum(x.total for x in row), sum(x.count for x in row)) for row in parts]
+
+
 def whole_losses(ua, ma, mb, batches, points) -> list[float]:
     """Each point's loss by the whole float32 model `attnid eval` runs, its weights
     ``(1 - t) A + t B``."""
@@ -64,13 +73,13 @@ def whole_losses(ua, ma, mb, batches, points) -> list[float]:
 
 @pytest.mark.parametrize("case", CAUSAL)
 def test_streamed_path_is_the_whole_model(case, tmp_path):
-    from attnid.checkpoint.layerwise import LayerwiseLM, Segment
+    from attnid.whole.layerwise import LayerwiseLM
 
     config = WHOLE_CASES[case]
     (ua, ma), (ub, mb) = pair(config, tmp_path)
     batches = data(config)
     want = whole_losses(ua, ma, mb, batches, POINTS)
-    got = [x.mean for x in LayerwiseLM(ua).losses(Segment(ua, ub), POINTS, batches)]
+    got = [x.mean for x in losses(LayerwiseLM(ua), ua, ub, batches)]
     rel = max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True))
     assert rel <= 1e-12, f"{case}: streamed {got} vs whole {want}: relative {rel:.3g}"
     assert len(set(want)) == len(want), f"{case}: the points should differ: {want}"
@@ -78,16 +87,16 @@ def test_streamed_path_is_the_whole_model(case, tmp_path):
 
 def test_token_groups_sum_to_the_same(tmp_path, monkeypatch):
     """Hidden states over the budget: each chunk its own group, each group streaming the layers."""
-    from attnid.checkpoint import layerwise
-    from attnid.checkpoint.layerwise import LayerwiseLM, Segment
+    from attnid.whole import layerwise
+    from attnid.whole.layerwise import LayerwiseLM
 
     config = WHOLE_CASES["llama-gqa-2layers"]
     (ua, _), (ub, _) = pair(config, tmp_path)
     batches = data(config, n=7, batch=1)  # the same forwards either way (float32 depends on the batch)
-    one = LayerwiseLM(ua).losses(Segment(ua, ub), POINTS, batches)
+    one = losses(LayerwiseLM(ua), ua, ub, batches)
     monkeypatch.setattr(layerwise, "HIDDEN_BUDGET", 1)
     lines: list[str] = []
-    many = LayerwiseLM(ua).losses(Segment(ua, ub), POINTS, batches, lines.append)
+    many = losses(LayerwiseLM(ua), ua, ub, batches, lines.append)
     assert [x.count for x in one] == [x.count for x in many] == [7 * 5] * 3
     rel = max(abs(x.total - y.total) / abs(x.total) for x, y in zip(one, many, strict=True))
     assert rel <= 1e-12, f"groups {many} vs one {one}: relative {rel:.3g}"
@@ -95,7 +104,7 @@ def test_token_groups_sum_to_the_same(tmp_path, monkeypatch):
 
 
 def test_a_failing_layer_raises_and_leaves_no_thread(tmp_path, monkeypatch):
-    from attnid.checkpoint.layerwise import LayerwiseLM, Segment
+    from attnid.whole.layerwise import LayerwiseLM
 
     config = WHOLE_CASES["llama-gqa-2layers"]
     (ua, _), (ub, _) = pair(config, tmp_path)
@@ -107,7 +116,7 @@ def test_a_failing_layer_raises_and_leaves_no_thread(tmp_path, monkeypatch):
 
     monkeypatch.setattr(lm.layers[1], "forward", broken)
     with pytest.raises(RuntimeError, match="layer 1 broke"):
-        lm.losses(Segment(ua, ub), POINTS, data(config))
+        losses(lm, ua, ub, data(config))
     for t in threading.enumerate():
         if t is not threading.current_thread() and t.daemon:
             t.join(timeout=5)
@@ -117,13 +126,13 @@ def test_a_failing_layer_raises_and_leaves_no_thread(tmp_path, monkeypatch):
 def test_a_model_in_memory_is_read_like_its_checkpoint(tmp_path):
     """`TensorSource` (what `benchmarks/merge.py` aligns in memory) gives the checkpoint's losses."""
     from attnid.checkpoint.align import load_tensors
-    from attnid.checkpoint.layerwise import LayerwiseLM, Segment
     from attnid.whole.fit.source import TensorSource
+    from attnid.whole.layerwise import LayerwiseLM
 
     config = WHOLE_CASES["gpt2-tied"]
     (ua, _), (ub, _) = pair(config, tmp_path)
     batches = data(config)
-    files = LayerwiseLM(ua).losses(Segment(ua, ub), POINTS, batches)
+    files = losses(LayerwiseLM(ua), ua, ub, batches)
     a, b = (TensorSource(load_tensors(u, torch.float32)) for u in (ua, ub))
-    memory = LayerwiseLM(a).losses(Segment(a, b), POINTS, batches)
+    memory = losses(LayerwiseLM(a), a, b, batches)
     assert [x.total for x in files] == [x.total for x in memory], (files, memory)

@@ -265,7 +265,7 @@ def align_checkpoints(model_a: str | Path, model_b: str | Path, out_dir: str | P
     shown = progress if progress is not None else Progress(enabled=False)
     acts = None
     if calib is not None:  # running both models on the tokens: the one step that holds them whole
-        acts = activations(load_tensors(ua), load_tensors(ub), subgroup, calib, shown.line)
+        acts = activations(ua, ub, subgroup, calib, shown.line)  # streamed: a layer at a time
     al, written, worst, tol = aligned_files(ua, ub, dst, subgroup, acts, shown.line)
     refined: dict[str, Any] | None = None
     try:
@@ -328,8 +328,7 @@ def merge_checkpoints(model_a: str | Path, model_b: str | Path, out_dir: str | P
     written = None
     try:
         if aligned:
-            acts = None if calib is None else activations(load_tensors(ua), load_tensors(ub), subgroup, calib,
-                                                          shown.line)
+            acts = None if calib is None else activations(ua, ub, subgroup, calib, shown.line)
             al, written, worst, _ = aligned_files(ua, ub, dst, subgroup, acts, progress=shown.line)
             refined = None
             if refine is not None:

@@ -4,7 +4,7 @@ checkpoints of one causal language model, before and after B is aligned onto A
 of the two end losses. The text is tokenized with A's own tokenizer (read offline) and cut
 into chunks of the model's context; the loss is the mean next-token cross-entropy (nats).
 Each path is streamed: every point's forward runs one decoder layer at a time, the layer's
-weights at that point made as both checkpoints' tensors are read (`attnid.checkpoint.layerwise`).
+weights at that point made as both checkpoints' tensors are read (`attnid.whole.layerwise`).
 """
 
 from __future__ import annotations
@@ -14,22 +14,23 @@ import time
 from pathlib import Path
 from typing import Any
 
-from attnid.checkpoint.evaluate import check_causal
-from attnid.checkpoint.layerwise import LayerwiseLM, Segment, Source
+from attnid.checkpoint.evaluate import TokenLoss, batch_nll, check_causal
 from attnid.checkpoint.tokens import Batches, read_chunks
 from attnid.checkpoint.units import Units
 from attnid.errors import AttnidError
 from attnid.progress import Progress
+from attnid.whole.layerwise import LayerwiseLM, Segment, Source
 
 END_LOSS_RTOL = 1e-4  # aligned B against B, both evaluated in float32
 
 
 def path_losses(lm: LayerwiseLM, a: Source, b: Source, data: Batches, alphas: list[float],
                 progress: Progress | None = None, label: str = "") -> list[float]:
-    """The loss at each ``alpha`` of the straight path from ``a`` to ``b``, streamed a layer at
-    a time (`attnid.checkpoint.layerwise`)."""
+    """The loss at each ``alpha`` of the straight path from ``a`` to ``b`` (`batch_nll` summed),
+    streamed a layer at a time (`attnid.whole.layerwise`)."""
     shown = (lambda line: progress.line(f"{label}: {line}")) if progress is not None else None
-    out = [x.mean for x in lm.losses(Segment(a, b), alphas, data, shown)]
+    parts = lm.run(Segment(a, b), alphas, data.ids, data.batch, batch_nll, shown)
+    out = [TokenLoss(sum(x.total for x in row), sum(x.count for x in row)).mean for row in parts]
     if progress is not None:
         for k, (t, y) in enumerate(zip(alphas, out, strict=True)):
             progress.line(f"{label} alpha {t:.3f} ({k + 1}/{len(alphas)}): loss {y:.4f}")

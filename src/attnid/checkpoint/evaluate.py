@@ -2,9 +2,10 @@
 file with the model's own tokenizer, optionally after fake round-to-nearest quantization of
 every linear layer but the head (`attnid.quantize`).
 
-The one evaluator of the checkpoint tools: `token_nll` is the summed next-token cross-entropy
-over token chunks (`attnid.checkpoint.tokens.read_chunks`), `load_causal_lm` the transformers
-model it runs; `attnid barrier` measures each point of its path with the same two.
+The one evaluator of the checkpoint tools: `batch_nll` is the summed next-token cross-entropy
+of token chunks (`attnid.checkpoint.tokens.read_chunks`), `token_nll` its sum over batches,
+`load_causal_lm` the transformers model it runs; `attnid barrier` measures each point of its
+path with the same `batch_nll`, the model run a layer at a time (`attnid.whole.layerwise`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from attnid.checkpoint.tokens import Batches, read_chunks
 from attnid.errors import AttnidError
 from attnid.progress import Progress
 
-__all__ = ["TokenLoss", "check_causal", "evaluate", "load_causal_lm", "token_nll"]
+__all__ = ["TokenLoss", "batch_nll", "check_causal", "evaluate", "load_causal_lm", "token_nll"]
 
 
 @dataclass(frozen=True)
@@ -63,19 +64,26 @@ def load_causal_lm(ck: Checkpoint, dtype: torch.dtype = torch.float32) -> nn.Mod
                           f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
 
 
+def batch_nll(model: nn.Module, x: torch.Tensor) -> TokenLoss:
+    """The summed cross-entropy of tokens 2..T of each chunk of ``x [b, T]`` given those before
+    (the model's logits in float64, a chunk at a time)."""
+    logits = model(input_ids=x, use_cache=False).logits[:, :-1]  # [b, T-1, V]
+    target = x[:, 1:]  # [b, T-1]
+    total = 0.0
+    for row, want in zip(logits, target, strict=True):  # [T-1, V]
+        total += float(torch.nn.functional.cross_entropy(row.to(torch.float64), want, reduction="sum"))
+    return TokenLoss(total, target.numel())
+
+
 def token_nll(model: nn.Module, data: Batches, bar: Callable[[int, float], None] | None = None) -> TokenLoss:
-    """The summed cross-entropy of each chunk's tokens 2..T given those before (float64 sums of
-    the model's logits); ``bar(chunks done, mean loss so far)`` after each batch."""
+    """`batch_nll` summed over ``data``'s batches; ``bar(chunks done, mean loss so far)`` after
+    each batch."""
     total, count = 0.0, 0
     n = data.ids.shape[0]
     with torch.no_grad():
         for i in range(0, n, data.batch):
-            x = data.ids[i:i + data.batch]  # [b, T]
-            logits = model(input_ids=x).logits[:, :-1].to(torch.float64)  # [b, T-1, V]
-            target = x[:, 1:]  # [b, T-1]
-            total += float(torch.nn.functional.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="sum"))
-            count += target.numel()
+            part = batch_nll(model, data.ids[i:i + data.batch])
+            total, count = total + part.total, count + part.count
             if bar is not None:
                 bar(min(i + data.batch, n), total / count)
     return TokenLoss(total, count)

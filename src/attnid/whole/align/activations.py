@@ -1,6 +1,7 @@
 """Matching from activations on calibration tokens (`attnid align --calibration`; docs/theory.md
-§13.20): both models are run (float64, transformers' own classes) on the same token chunks,
-and what is matched is what each part of the group moves:
+§13.20): both models are run (float64, transformers' own classes, one decoder layer at a time
+over the tensors as they are read: `attnid.whole.layerwise`) on the same token chunks, and what
+is matched is what each part of the group moves:
 
 * the residual stream, every layer's input (embeddings and each layer's output but the last,
   which the final norm has already seen): ``x -> x Q``, so Procrustes on the stacked states
@@ -19,15 +20,20 @@ The continuous gauges are then fitted on the weights as without calibration.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-from torch import nn
 
 from attnid.errors import AttnidError
 from attnid.whole.check import Float64Mode
 from attnid.whole.fit.match import assign_heads, assignment
 from attnid.whole.fit.rotation import procrustes
+from attnid.whole.fit.source import TensorSource
+from attnid.whole.layerwise import LayerwiseLM, Segment
+from attnid.whole.transforms.layout import Lin
 from attnid.whole.transforms.state import ModelTensors
+
+Model = Any  # a ModelTensors, or what `attnid.whole.layerwise` reads (a checkpoint's units, a TensorSource)
 
 
 @dataclass(frozen=True)
@@ -42,18 +48,35 @@ class Activations:
 ACTIVATION_BYTES = 8 * 1024**3  # both models' activations, float64, at most this
 
 
-def activation_bytes(m: ModelTensors, tokens: int) -> int:
+def _source(m: Model) -> Any:
+    return TensorSource(m) if isinstance(m, ModelTensors) else m
+
+
+def _weight(src: Any, lin: Lin) -> torch.Tensor:
+    """``[out, in]`` of one linear map, read alone."""
+    w = src.tensor(f"{lin.path}.weight")
+    return w.T if lin.conv1d else w
+
+
+def _spec(src: Any, layer: int) -> Any:
+    return ModelTensors(src.layout, {}, src.config).spec(layer)
+
+
+def activation_bytes(m: Model, tokens: int) -> int:
     """What :func:`collect` keeps for one model on ``tokens`` positions (float64): the stream at
     every layer's input ``[N, d]``, every head's write ``[H, N, d]`` and every neuron ``[N, f]``."""
-    lay = m.layout
+    src = _source(m)
+    lay = src.layout
     per_token = 0
     for i in range(len(lay.layers)):
-        d, f = m.weight(lay.mlps[i][1]).shape  # the down projection [out = d, in = f]
-        per_token += d + m.spec(i).n_heads * d + f
+        down = lay.mlps[i][1]
+        shape = src.shape(f"{down.path}.weight")  # stored: [out = d, in = f], Conv1D [f, d]
+        d, f = shape[::-1] if down.conv1d else shape
+        per_token += d + _spec(src, i).n_heads * d + f
     return 8 * tokens * per_token
 
 
-def check_memory(m: ModelTensors, tokens: int) -> None:
+def check_memory(m: Model, tokens: int) -> None:
     """Refuse (one line, before any work) a calibration whose activations would not fit."""
     need = 2 * activation_bytes(m, tokens)
     if need > ACTIVATION_BYTES:
@@ -63,46 +86,40 @@ def check_memory(m: ModelTensors, tokens: int) -> None:
                           f"give a file of at most about {fit} tokens, or match on the weights")
 
 
-def module_of(m: ModelTensors) -> nn.Module:
-    """A float64 transformers model holding ``m``'s tensors (eager attention)."""
-    from attnid.adapters.base import load_weights, new_hf_model
-
-    model = new_hf_model(m.config, head=True, eager=True).double().eval()
-    load_weights(model, {k: v.to(torch.float64) for k, v in m.tensors.items()})
-    return model
-
-
-def collect(m: ModelTensors, ids: torch.Tensor, batch: int = 8) -> Activations:
-    """Run ``m`` on token chunks ``ids [n, T]`` and keep what the matching reads."""
-    lay = m.layout
-    model = module_of(m)
+def collect(m: Model, ids: torch.Tensor, batch: int = 8) -> Activations:
+    """Run ``m`` on token chunks ``ids [n, T]`` (float64, eager attention, one decoder layer at a
+    time) and keep what the matching reads."""
+    src = _source(m)
+    lay = src.layout
+    lm = LayerwiseLM(src, torch.float64, eager=True)
     L = len(lay.layers)
     o_in: list[list[torch.Tensor]] = [[] for _ in range(L)]
     d_in: list[list[torch.Tensor]] = [[] for _ in range(L)]
-    hooks = []
-    for i in range(L):
-        o_lin, down = lay.writers[i][0], lay.mlps[i][1]
-        hooks.append(model.get_submodule(o_lin.path).register_forward_pre_hook(
-            lambda _, x, i=i: o_in[i].append(x[0].reshape(-1, x[0].shape[-1]))))
-        hooks.append(model.get_submodule(down.path).register_forward_pre_hook(
-            lambda _, x, i=i: d_in[i].append(x[0].reshape(-1, x[0].shape[-1]))))
-    states = []
-    try:
-        with torch.no_grad(), Float64Mode():  # transformers' norms and softmax in float64 too
-            for k in range(0, ids.shape[0], batch):
-                out = model(input_ids=ids[k:k + batch], output_hidden_states=True)
-                hs = out.hidden_states[:-1]  # the last one is already normed
-                states.append(torch.cat([h.reshape(-1, h.shape[-1]) for h in hs]))
-    finally:
-        for h in hooks:
-            h.remove()
+    s_in: list[list[torch.Tensor]] = [[] for _ in range(L)]  # each layer's input, batch by batch
+    flat = lambda x: x.reshape(-1, x.shape[-1])  # noqa: E731
+    for i, layer in enumerate(lm.layers):
+        o_proj, down = (layer.get_submodule(lin.path[len(lay.layers[i]):])
+                        for lin in (lay.writers[i][0], lay.mlps[i][1]))
+        o_proj.register_forward_pre_hook(lambda _, x, i=i: o_in[i].append(flat(x[0])))
+        down.register_forward_pre_hook(lambda _, x, i=i: d_in[i].append(flat(x[0])))
+        layer.register_forward_pre_hook(
+            lambda _, a, kw, i=i: s_in[i].append(flat(a[0] if a else kw["hidden_states"])), with_kwargs=True)
+
+    def run(model: Any, x: torch.Tensor) -> None:
+        with Float64Mode():  # transformers' norms and softmax in float64 too
+            model(input_ids=x, use_cache=False)
+
+    lm.run(Segment(src, src), [0.0], ids, batch, run)
+    batches = len(s_in[0])
+    states = torch.cat([s_in[i][k] for k in range(batches) for i in range(L)])  # batch by batch
     heads = []
     for i in range(L):
-        s = m.spec(i)
+        s = _spec(src, i)
         z = torch.cat(o_in[i]).reshape(-1, s.n_heads, s.v_head_dim)  # [N, H, dv]
-        W = m.weight(lay.writers[i][0]).T.reshape(s.n_heads, s.v_head_dim, -1)  # [H, dv, d]
+        W = _weight(src, lay.writers[i][0]).to(torch.float64)  # [d, H dv]
+        W = W.T.reshape(s.n_heads, s.v_head_dim, -1)  # [H, dv, d]
         heads.append(torch.einsum("nhv,hvd->hnd", z, W))
-    return Activations(torch.cat(states), heads, [torch.cat(x) for x in d_in])
+    return Activations(states, heads, [torch.cat(x) for x in d_in])
 
 
 def _centred(X: torch.Tensor, layer_norm: bool) -> torch.Tensor:

@@ -555,9 +555,10 @@ def align(a: nn.Module | ModelTensors, b: nn.Module | ModelTensors, *, subgroup:
     return replace(al, model=ModelTensors(B.layout, out, B.config))
 
 
-def activations(A: ModelTensors, B: ModelTensors, subgroup: str, calibration: torch.Tensor | None,
+def activations(A: Any, B: Any, subgroup: str, calibration: torch.Tensor | None,
                 progress: Callable[[str], None] | None = None) -> Pair | None:
-    """Both models' activations on the calibration tokens (None without them, or for ``none``)."""
+    """Both models' activations on the calibration tokens (None without them, or for ``none``);
+    each model a `ModelTensors` or a checkpoint's units, run a layer at a time either way."""
     if subgroup == "none" or calibration is None:
         return None
     check_memory(A, calibration.numel())

@@ -1,20 +1,23 @@
-"""A causal language model's loss at many points of the straight path between two checkpoints,
-run one decoder layer at a time: what `attnid barrier` measures, holding one layer's weights
-(and the hidden states of the chunks in flight), never a whole model.
+"""A Hugging Face model run one decoder layer at a time over tensors streamed from a checkpoint
+(or a model in memory), at one or many points of the straight path between two of them: what
+`attnid barrier` measures its losses with and `attnid align --calibration` collects its
+activations with, holding one layer's weights (and the hidden states of the chunks in flight),
+never a whole model.
 
 The transformers model is built without its decoder layers (its embeddings, final norm, head
 and position buffers real), and each layer's place in it is taken by a *slot*. Each (point,
-batch) pair runs the model's own ``forward`` in a thread of its own, which stops at every slot
-until the driver has put that layer's weights, at that point of the path, into the one real
-layer module; only one thread runs at a time. So the driver streams the checkpoints layer by
-layer (the outer loop) while every forward is transformers' own code: masks, positions and
-each layer's inputs are whatever the model passes, for any family. The weights at a point are
-``(1 - t) A + t B`` in float32, as `attnid.checkpoint.align.interpolate` computes them.
+batch) pair runs a *work* function (the model's own ``forward``, and what is kept of it) in a
+thread of its own, which stops at every slot until the driver has put that layer's weights, at
+that point of the path, into the one real layer module; only one thread runs at a time. So
+the driver streams the tensors layer by layer (the outer loop) while every forward is
+transformers' own code: masks, positions and each layer's inputs are whatever the model passes,
+for any family. The weights at a point are ``(1 - t) A + t B`` in the model's dtype, rounded
+as `attnid.checkpoint.align.interpolate` rounds them (exact at both ends).
 
 The hidden states of all points and chunks of a *group* of chunks are held together; groups
 are sized so they stay under :data:`HIDDEN_BUDGET` bytes (at least one chunk), and each group
 streams the layers once (a small model's text is one group; a 7B model's, 256-token chunks at
-11 points, 3 chunks).
+11 points in float32, 3 chunks).
 """
 
 from __future__ import annotations
@@ -22,34 +25,34 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 from torch import nn
 
-from attnid.checkpoint.evaluate import TokenLoss
-from attnid.checkpoint.tokens import Batches
 from attnid.errors import AttnidError
 from attnid.whole.transforms.layout import Layout
 
 HIDDEN_BUDGET = 2**29  # bytes of hidden states (3 per chunk and point: embeddings, stream, a layer's output)
-DTYPE = torch.float32  # what the evaluator runs, as `attnid eval`
+
+R = TypeVar("R")
+Work = Callable[[nn.Module, torch.Tensor], R]  # (the model, token chunks [b, T]) -> what is kept
 
 
-class _Gate:
+class _Gate(Generic[R]):
     """One (point, batch) forward, run in its own thread and stopped at every slot."""
 
-    def __init__(self, run: Callable[[], TokenLoss]) -> None:
+    def __init__(self, run: Callable[[], R]) -> None:
         self.go, self.parked = threading.Semaphore(0), threading.Semaphore(0)
         self.layer: nn.Module | None = None
         self.at = -1  # the slot it waits at; -1: not started; None once finished
-        self.result: TokenLoss | None = None
+        self.result: R | None = None
         self.error: BaseException | None = None
         self.cancelled = False
         self.thread = threading.Thread(target=self._body, args=(run,), daemon=True)
         self.thread.start()
 
-    def _body(self, run: Callable[[], TokenLoss]) -> None:
+    def _body(self, run: Callable[[], R]) -> None:
         self.go.acquire()
         _CURRENT.gate = self
         try:
@@ -109,7 +112,7 @@ class _Slot(nn.Module):
 
 
 class Source(Protocol):
-    """What the evaluator reads: a checkpoint's units (`attnid.checkpoint.units.Units`) or a
+    """What the layers are read from: a checkpoint's units (`attnid.checkpoint.units.Units`) or a
     model in memory (`attnid.whole.fit.source.TensorSource`)."""
 
     layout: Layout
@@ -127,9 +130,9 @@ class Segment:
     b: Source
 
     def put(self, into: dict[str, torch.Tensor], t: float) -> None:
-        """Copy ``(1 - t) A + t B`` of each tensor named in ``into`` into it (float32, rounded
-        as `attnid.checkpoint.align.interpolate` rounds; exact at both ends), one tensor read
-        at a time."""
+        """Copy ``(1 - t) A + t B`` of each tensor named in ``into`` into it (in its dtype,
+        rounded as `attnid.checkpoint.align.interpolate` rounds; exact at both ends), one
+        tensor read at a time."""
         for n, p in into.items():
             if t == 0.0 or t == 1.0:
                 p.copy_((self.a if t == 0.0 else self.b).tensor(n))
@@ -140,16 +143,18 @@ class Segment:
 
 
 class LayerwiseLM:
-    """``units``' causal language model (its config, float32) with its decoder layers run one
-    at a time (see the module)."""
+    """``units``' model with its head (its config; ``dtype``; transformers' default attention,
+    or ``eager``) with its decoder layers run one at a time (see the module)."""
 
-    def __init__(self, units: Source) -> None:
+    def __init__(self, units: Source, dtype: torch.dtype = torch.float32, *, eager: bool = False) -> None:
         from attnid.adapters.base import hf_config, hf_model_class
 
         lay = units.layout
-        self.L = len(lay.layers)
+        self.L, self.dtype = len(lay.layers), dtype
         self.prefixes = lay.layers
         conf = hf_config(units.config)
+        if eager:
+            conf._attn_implementation = "eager"
         self.width = int(conf.hidden_size)
         cls = hf_model_class(units.config)
         with torch.device("meta"):  # the layers, without memory until each is run
@@ -164,7 +169,7 @@ class LayerwiseLM:
         if "layer_types" in kept and kept["layer_types"] is not None:
             conf.layer_types = []
         try:
-            self.model = cls(conf).to(DTYPE).eval()
+            self.model = cls(conf).to(dtype).eval()
         finally:
             for k, v in kept.items():
                 setattr(conf, k, v)
@@ -173,7 +178,8 @@ class LayerwiseLM:
             raise AttnidError(f"internal: {type(container).__name__} holds the layers, not a ModuleList")
         container.extend(_Slot(i) for i in range(self.L))
         self.params = dict(self.model.named_parameters())
-        self.rest = [n for n, u in units.unit_of.items() if u in (0, self.L + 1)]
+        self.rest = [n for n in units.unit_of if not n.startswith(self.prefixes)]  # BERT's embedding
+        # LayerNorm among them: unit 1's, but outside the layer
         missing = [n for n in self.params if n not in self.rest and not self._tied(n)]
         if missing:
             raise AttnidError(f"internal: no tensor for {missing[0]} in the checkpoint's tables and head")
@@ -190,39 +196,39 @@ class LayerwiseLM:
     def _set_layer(self, path: Segment, i: int, t: float) -> None:
         prefix = self.prefixes[i]
         own = {prefix + n: p.data for n, p in self.layers[i].named_parameters()}
-        if set(own) != {n for n in path.a.names(i + 1) if n.startswith(prefix)}:
+        if set(own) != {n for n in path.a.unit_of if n.startswith(prefix)}:
             raise AttnidError(f"internal: layer {i}'s checkpoint tensors are not its parameters")
         path.put(own, t)
 
-    def losses(self, path: Segment, ts: Sequence[float], data: Batches,
-               progress: Callable[[str], None] | None = None) -> list[TokenLoss]:
-        """The summed next-token loss of ``data`` at each point ``ts`` of ``path`` (`token_nll`'s
-        sums, ``data.batch`` chunks a forward at most)."""
-        n, T = int(data.ids.shape[0]), int(data.ids.shape[1])
-        per_chunk = 3 * T * self.width * torch.finfo(DTYPE).bits // 8 * len(ts)  # all points' hidden states
+    def run(self, path: Segment, ts: Sequence[float], ids: torch.Tensor, batch: int, work: Work[R],
+            progress: Callable[[str], None] | None = None) -> list[list[R]]:
+        """``work(model, chunks)`` at each point ``ts`` of ``path`` on the token chunks ``ids
+        [n, T]``, ``batch`` chunks at a time: per point, the results in the chunks' order."""
+        n, T = int(ids.shape[0]), int(ids.shape[1])
+        per_chunk = 3 * T * self.width * torch.finfo(self.dtype).bits // 8 * len(ts)  # every point's states
         group = max(1, HIDDEN_BUDGET // per_chunk)
-        totals = [TokenLoss(0.0, 0) for _ in ts]
+        out: list[list[R]] = [[] for _ in ts]
         for g in range(0, n, group):
-            chunks = data.ids[g:g + group]
+            chunks = ids[g:g + group]
             if progress is not None and n > group:
                 progress(f"chunks {g + 1}-{g + len(chunks)} of {n}")
-            batches = [chunks[s:s + data.batch] for s in range(0, len(chunks), data.batch)]
-            for k, part in enumerate(self._group(path, ts, batches, progress)):
-                totals[k] = TokenLoss(totals[k].total + part.total, totals[k].count + part.count)
-        return totals
+            batches = [chunks[s:s + batch] for s in range(0, len(chunks), batch)]
+            for k, part in enumerate(self._group(path, ts, batches, work, progress)):
+                out[k].extend(part)
+        return out
 
-    def _group(self, path: Segment, ts: Sequence[float], chunks: list[torch.Tensor],
-               progress: Callable[[str], None] | None) -> list[TokenLoss]:
-        gates: list[list[_Gate]] = []
+    def _group(self, path: Segment, ts: Sequence[float], chunks: list[torch.Tensor], work: Work[R],
+               progress: Callable[[str], None] | None) -> list[list[R]]:
+        gates: list[list[_Gate[R]]] = []
         try:
             for t in ts:
                 self._set_rest(path, t)
-                gates.append([_Gate(lambda x=x: self._nll(x)) for x in chunks])
+                gates.append([_Gate(lambda x=x: work(self.model, x)) for x in chunks])
                 for gate in gates[-1]:
                     gate.resume(None)  # embeddings, then parked at slot 0
             for i, layer in enumerate(self.layers):
                 layer.to_empty(device="cpu")
-                layer.to(DTYPE)
+                layer.to(self.dtype)
                 try:
                     for k, t in enumerate(ts):
                         self._set_layer(path, i, t)
@@ -236,20 +242,10 @@ class LayerwiseLM:
                     layer.to(device="meta")
                 if progress is not None:
                     progress(f"layer {i + 1}/{self.L} at {len(ts)} points")
-            if any(g.at is not None or g.result is None for row in gates for g in row):
-                raise AttnidError("internal: a forward did not reach the loss")
-            return [TokenLoss(sum(g.result.total for g in row), sum(g.result.count for g in row))  # type: ignore[union-attr]
-                    for row in gates]
+            if any(g.at is not None for row in gates for g in row):
+                raise AttnidError("internal: a forward did not reach its end")
+            return [[g.result for g in row] for row in gates]  # type: ignore[misc]
         finally:
             for row in gates:  # a failed run: no thread left waiting
                 for g in row:
                     g.cancel()
-
-    def _nll(self, x: torch.Tensor) -> TokenLoss:
-        """The summed cross-entropy of tokens 2..T of each chunk of ``x`` (`token_nll`'s sums)."""
-        logits = self.model(input_ids=x, use_cache=False).logits[:, :-1]  # [b, T-1, V]
-        target = x[:, 1:]  # [b, T-1]
-        total = 0.0
-        for row, want in zip(logits, target, strict=True):  # float64 a chunk at a time: [T-1, V]
-            total += float(torch.nn.functional.cross_entropy(row.to(torch.float64), want, reduction="sum"))
-        return TokenLoss(total, target.numel())
