@@ -205,13 +205,15 @@ def _bad_cases(p: dict, root: Path, tmp: Path) -> dict[str, tuple[list, str]]:
         "plot-format": (["barrier", a, b, "--calibration", text, "--plot", tmp / "x.nope"], "nope"),
         "context": (["barrier", a, b, "--calibration", text, "--context", "1000"], "--context"),
         "missing-model": (["align", tmp / "nothing", b, out], "nothing"),
+        "nan-weights-barrier": (["barrier", a, root / "nan", "--calibration", text], "NaN"),
+        "nan-weights-calibration": (["align", a, root / "nan", out, "--calibration", text], "NaN"),
     }
 
 
 CASE_NAMES = ["other-architecture-align", "other-architecture-merge", "other-architecture-barrier",
               "missing-data", "short-data", "missing-calibration", "missing-tokenizer", "alpha-high",
               "alpha-nan", "alphas-two", "subgroup", "out-is-a", "out-is-b", "out-not-empty", "plot-folder",
-              "plot-format", "context", "missing-model"]
+              "plot-format", "context", "missing-model", "nan-weights-barrier", "nan-weights-calibration"]
 
 
 @pytest.fixture(scope="module")
@@ -221,6 +223,13 @@ def bad_root(pairs, tmp_path_factory):
     root = tmp_path_factory.mktemp("bad")
     (root / "short.txt").write_text("ab")
     shutil.copytree(pairs["llama"]["a"], root / "bare", ignore=shutil.ignore_patterns("tokenizer*"))
+    shutil.copytree(pairs["llama"]["c"], root / "nan")  # one weight of a layer NaN
+    from safetensors.torch import load_file, save_file
+
+    f = root / "nan" / "model.safetensors"
+    state = load_file(f)
+    state["model.layers.1.mlp.up_proj.weight"][0, 0] = float("nan")
+    save_file(state, f, metadata={"format": "pt"})
     return root
 
 

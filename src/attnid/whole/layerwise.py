@@ -35,6 +35,8 @@ from attnid.whole.transforms.layout import Layout
 
 HIDDEN_BUDGET = 2**29  # bytes of hidden states (3 per chunk and point: embeddings, stream, a layer's output)
 
+STEP = 2**24  # elements of B converted at a time while interpolating
+
 R = TypeVar("R")
 Work = Callable[[nn.Module, torch.Tensor], R]  # (the model, token chunks [b, T]) -> what is kept
 
@@ -132,14 +134,20 @@ class Segment:
     def put(self, into: dict[str, torch.Tensor], t: float) -> None:
         """Copy ``(1 - t) A + t B`` of each tensor named in ``into`` into it (in its dtype,
         rounded as `attnid.checkpoint.align.interpolate` rounds; exact at both ends), one
-        tensor read at a time."""
+        tensor read at a time. NaN or Inf is refused as the sources refuse it, but checked on
+        the result (no float32 copy of a bfloat16 table just for the check)."""
         for n, p in into.items():
             if t == 0.0 or t == 1.0:
-                p.copy_((self.a if t == 0.0 else self.b).tensor(n))
-                continue
-            p.copy_(self.a.tensor(n)).mul_(1.0 - t)
-            y = self.b.tensor(n)
-            p.add_(y.to(p.dtype).mul_(t) if y.dtype != p.dtype else y * t)
+                p.copy_((self.a if t == 0.0 else self.b).tensor(n, check=False))
+            else:
+                p.copy_(self.a.tensor(n, check=False)).mul_(1.0 - t)
+                y, flat = self.b.tensor(n, check=False).reshape(-1), p.view(-1)
+                for s in range(0, y.numel(), STEP):  # t B a block at a time: no float32 copy of B's table
+                    flat[s:s + STEP].add_(y[s:s + STEP].to(p.dtype) * t)
+            if not (torch.isfinite(p.sum()) or torch.isfinite(p).all()):  # a sum overflows only rarely
+                for src in (self.a, self.b):
+                    src.tensor(n)  # the source's own refusal, naming its file
+                raise AttnidError(f"tensor {n} is not finite at alpha {t}")
 
 
 class LayerwiseLM:
