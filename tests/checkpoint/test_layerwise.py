@@ -15,28 +15,32 @@ pytest.importorskip("transformers")
 
 from attnid.testing.catalogue import WHOLE_CASES
 
-CAUSAL = [k for k, c in WHOLE_CASES.items()
-          if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in c.get("architectures", []))]
+SLIDING = dict(num_hidden_layers=2, use_sliding_window=True, sliding_window=2, max_window_layers=1)
+CASES = {k: c for k, c in WHOLE_CASES.items()
+         if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in c.get("architectures", []))}
+CASES |= {  # a sliding-window layer beside a full one (the model builds its masks from layer_types)
+    "qwen2-sliding": dict(WHOLE_CASES["qwen2-qkv-bias"], **SLIDING),
+    "qwen3-sliding": dict(WHOLE_CASES["qwen3-qk-norm"], **SLIDING)}
 POINTS = [0.0, 0.3, 1.0]
 
 
-def pair(config: dict, root: Path):
-    """Two float32 checkpoints of one tiny architecture (B: A moved off by noise), their units,
-    and their state dicts."""
+def pair(config: dict, root: Path, dtype: torch.dtype = torch.float32):
+    """Two checkpoints of one tiny architecture stored in ``dtype`` (B: A moved off by noise),
+    their units, and their float32 models."""
     from attnid.checkpoint.load import open_checkpoint
     from attnid.checkpoint.units import open_units
     from attnid.testing.models import tiny_model
 
     out = []
     for k in range(2):
-        m = tiny_model(config).float()
+        m = tiny_model(config).to(dtype)
         if k:
             g = torch.Generator().manual_seed(1)
             with torch.no_grad():
                 for p in m.parameters():
                     p.add_(0.1 * torch.randn(p.shape, generator=g))
         m.save_pretrained(root / f"m{k}")
-        out.append((open_units(open_checkpoint(root / f"m{k}")), m))
+        out.append((open_units(open_checkpoint(root / f"m{k}")), m.float()))
     return out
 
 
@@ -71,11 +75,11 @@ def whole_losses(ua, ma, mb, batches, points) -> list[float]:
     return out
 
 
-@pytest.mark.parametrize("case", CAUSAL)
+@pytest.mark.parametrize("case", list(CASES))
 def test_streamed_path_is_the_whole_model(case, tmp_path):
     from attnid.whole.layerwise import LayerwiseLM
 
-    config = WHOLE_CASES[case]
+    config = CASES[case]
     (ua, ma), (ub, mb) = pair(config, tmp_path)
     batches = data(config)
     want = whole_losses(ua, ma, mb, batches, POINTS)
@@ -136,3 +140,61 @@ def test_a_model_in_memory_is_read_like_its_checkpoint(tmp_path):
     a, b = (TensorSource(load_tensors(u, torch.float32)) for u in (ua, ub))
     memory = losses(LayerwiseLM(a), a, b, batches)
     assert [x.total for x in files] == [x.total for x in memory], (files, memory)
+
+
+def test_bfloat16_checkpoints_interpolated_a_block_at_a_time(tmp_path, monkeypatch):
+    """Stored bfloat16, B converted to float32 a few elements at a time (block edges inside
+    every tensor): the whole float32 model's loss at every point."""
+    from attnid.whole import layerwise
+
+    config = WHOLE_CASES["llama-gqa-2layers"]
+    (ua, ma), (ub, mb) = pair(config, tmp_path, torch.bfloat16)
+    batches = data(config)
+    monkeypatch.setattr(layerwise, "STEP", 7)
+    got = [x.mean for x in losses(layerwise.LayerwiseLM(ua), ua, ub, batches)]
+    want = whole_losses(ua, ma, mb, batches, POINTS)
+    rel = max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True))
+    assert rel <= 1e-12, f"streamed {got} vs whole {want}: relative {rel:.3g}"
+
+
+def test_a_nan_weight_stops_the_run_and_leaves_no_thread(tmp_path):
+    """The driver's own refusal (a NaN met in layer 1, after layer 0 ran) ends every forward."""
+    from attnid.checkpoint.align import load_tensors
+    from attnid.errors import AttnidError
+    from attnid.whole.fit.source import TensorSource
+    from attnid.whole.layerwise import LayerwiseLM
+    from attnid.whole.transforms.state import ModelTensors
+
+    config = WHOLE_CASES["llama-gqa-2layers"]
+    (ua, _), (ub, _) = pair(config, tmp_path)
+    a = TensorSource(load_tensors(ua, torch.float32))
+    bad = dict(load_tensors(ub, torch.float32).tensors)
+    bad["model.layers.1.mlp.up_proj.weight"] = bad["model.layers.1.mlp.up_proj.weight"].clone()
+    bad["model.layers.1.mlp.up_proj.weight"][0, 0] = float("nan")
+    b = TensorSource(ModelTensors(a.layout, bad, a.config))
+    before = threading.active_count()
+    with pytest.raises(AttnidError, match=r"model\.layers\.1\.mlp\.up_proj\.weight holds NaN"):
+        losses(LayerwiseLM(a), a, b, data(config))
+    for t in threading.enumerate():
+        if t is not threading.current_thread() and t.daemon:
+            t.join(timeout=5)
+    assert threading.active_count() <= before, [t.name for t in threading.enumerate()]
+
+
+def test_forwards_in_flight_are_capped(tmp_path, monkeypatch):
+    """At most MAX_GATES forwards (threads) at once, unless the points alone are more."""
+    from attnid.checkpoint.evaluate import batch_nll
+    from attnid.whole import layerwise
+
+    config = WHOLE_CASES["llama-gqa-2layers"]
+    (ua, _), (ub, _) = pair(config, tmp_path)
+    monkeypatch.setattr(layerwise, "MAX_GATES", 4)
+    base, most = threading.active_count(), []
+
+    def counted(model, x):
+        most.append(threading.active_count() - base)
+        return batch_nll(model, x)
+
+    lm = layerwise.LayerwiseLM(ua)
+    lm.run(layerwise.Segment(ua, ub), POINTS, data(config, n=7, batch=1).ids, 1, counted)
+    assert len(most) == 3 * 7 and max(most) <= 3, most  # 4 // 3 points: a batch a group

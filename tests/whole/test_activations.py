@@ -43,16 +43,24 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_streamed_activations_are_the_whole_models(family, tmp_path):
+CASES = {**FAMILIES,  # and a config without architectures (a GGUF conversion's): the bare model
+         "llama-no-architectures": {k: v for k, v in FAMILIES["llama-gqa"].items() if k != "architectures"}}
+
+
+@pytest.mark.parametrize("family", list(CASES))
+@pytest.mark.parametrize("groups", ["one group", "a chunk a group"])
+def test_streamed_activations_are_the_whole_models(family, groups, tmp_path, monkeypatch):
     from attnid.adapters.base import build_hf_model
     from attnid.checkpoint.load import open_checkpoint
     from attnid.checkpoint.units import open_units
+    from attnid.whole import layerwise
     from attnid.whole.align.activations import collect
 
-    model = build_hf_model(FAMILIES[family], head=True)
+    if groups != "one group":  # every chunk its own group, streaming the layers again
+        monkeypatch.setattr(layerwise, "HIDDEN_BUDGET", 1)
+    model = build_hf_model(CASES[family], head=True)
     with torch.no_grad():
-        model.load_state_dict(tiny_model(FAMILIES[family]).state_dict())
+        model.load_state_dict(tiny_model(CASES[family]).state_dict())
     T = min(5, model.config.max_position_embeddings if hasattr(model.config, "max_position_embeddings")
             else model.config.n_positions)
     ids = torch.randint(0, model.config.vocab_size, (5, T), generator=torch.Generator().manual_seed(0))
@@ -63,4 +71,4 @@ def test_streamed_activations_are_the_whole_models(family, tmp_path):
         got = collect(src, ids, batch=2)
         errs = [rel(got.stream, states)] + [rel(a, b) for a, b in zip(got.heads, heads, strict=True)]
         errs += [rel(a, b) for a, b in zip(got.neurons, neurons, strict=True)]
-        assert max(errs) <= 1e-12, f"{family} from {where}: relative errors {errs}"
+        assert max(errs) <= 1e-12, f"{family} from {where}, {groups}: relative errors {errs}"

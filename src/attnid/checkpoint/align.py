@@ -264,7 +264,7 @@ def align_checkpoints(model_a: str | Path, model_b: str | Path, out_dir: str | P
     calib, fitted = calibration_ids(a, calibration, refine)
     shown = progress if progress is not None else Progress(enabled=False)
     acts = None
-    if calib is not None:  # running both models on the tokens: the one step that holds them whole
+    if calib is not None:  # both models run on the tokens, a layer at a time
         acts = activations(ua, ub, subgroup, calib, shown.line)  # streamed: a layer at a time
     al, written, worst, tol = aligned_files(ua, ub, dst, subgroup, acts, shown.line)
     refined: dict[str, Any] | None = None

@@ -15,9 +15,11 @@ for any family. The weights at a point are ``(1 - t) A + t B`` in the model's dt
 as `attnid.checkpoint.align.interpolate` rounds them (exact at both ends).
 
 The hidden states of all points and chunks of a *group* of chunks are held together; groups
-are sized so they stay under :data:`HIDDEN_BUDGET` bytes (at least one chunk), and each group
-streams the layers once (a small model's text is one group; a 7B model's, 256-token chunks at
-11 points in float32, 3 chunks).
+are sized so they stay under :data:`HIDDEN_BUDGET` bytes (but hold at least one chunk), in
+whole batches when they hold more than one, with at most :data:`MAX_GATES` forwards (threads)
+in flight, and each group streams the layers once (a 7B model's 256-token chunks at 11 points
+in float32: 3 chunks a group). A group smaller than a batch runs smaller forwards, which in
+float32 can round differently from the whole model's batches.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from attnid.errors import AttnidError
 from attnid.whole.transforms.layout import Layout
 
 HIDDEN_BUDGET = 2**29  # bytes of hidden states (3 per chunk and point: embeddings, stream, a layer's output)
+MAX_GATES = 32  # forwards in flight (threads) at most, unless the points alone are more
 
 STEP = 2**24  # elements of B converted at a time while interpolating
 
@@ -103,11 +106,20 @@ class _CancelledError(Exception):
 
 class _Slot(nn.Module):
     """A decoder layer's place in the model: a forward through it waits for the driver, then
-    runs the real layer the driver hands over on the same inputs."""
+    runs the real layer the driver hands over on the same inputs. Attributes it lacks are the
+    layer's (a model's forward may read one, as Qwen2's ``attention_type`` in some releases);
+    the layer is not a submodule, so it is never part of the model's own weights."""
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, layer: nn.Module) -> None:
         super().__init__()
         self.index = index
+        self.__dict__["_layer"] = layer
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_layer"], name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return _CURRENT.gate.wait_at(self.index)(*args, **kwargs)
@@ -133,9 +145,10 @@ class Segment:
 
     def put(self, into: dict[str, torch.Tensor], t: float) -> None:
         """Copy ``(1 - t) A + t B`` of each tensor named in ``into`` into it (in its dtype,
-        rounded as `attnid.checkpoint.align.interpolate` rounds; exact at both ends), one
-        tensor read at a time. NaN or Inf is refused as the sources refuse it, but checked on
-        the result (no float32 copy of a bfloat16 table just for the check)."""
+        rounded as `attnid.checkpoint.align.interpolate` rounds for sources stored in that dtype
+        or a narrower one; exact at both ends), one tensor read at a time. NaN or Inf is
+        refused as the sources refuse it, but checked on the result (no float32 copy of a
+        bfloat16 table just for the check)."""
         for n, p in into.items():
             if t == 0.0 or t == 1.0:
                 p.copy_((self.a if t == 0.0 else self.b).tensor(n, check=False))
@@ -156,6 +169,7 @@ class LayerwiseLM:
 
     def __init__(self, units: Source, dtype: torch.dtype = torch.float32, *, eager: bool = False) -> None:
         from attnid.adapters.base import hf_config, hf_model_class
+        from attnid.adapters.config import source_of
 
         lay = units.layout
         self.L, self.dtype = len(lay.layers), dtype
@@ -165,26 +179,36 @@ class LayerwiseLM:
             conf._attn_implementation = "eager"
         self.width = int(conf.hidden_size)
         cls = hf_model_class(units.config)
+
+        def build() -> nn.Module:  # as `attnid.adapters.base.new_hf_model`; its refusal in one line
+            try:
+                model = cls(conf) if cls.__name__ != "AutoModel" else cls.from_config(conf)
+                return model.eval()  # no dropout
+            except Exception as e:
+                raise AttnidError(f"transformers cannot build {cls.__name__} from {source_of(units.config)} "
+                                  f"({type(e).__name__}: {e})") from None
+
         with torch.device("meta"):  # the layers, without memory until each is run
-            full = cls(conf).eval()  # no dropout
+            full = build()
         self.layers = [full.get_submodule(p.rstrip(".")) for p in lay.layers]
         for layer in self.layers:
             if any(True for _ in layer.buffers()):
-                raise AttnidError(f"internal: {type(layer).__name__} has buffers: the layer-by-layer "
-                                  "evaluator runs only layers made of parameters")
-        kept = {k: getattr(conf, k) for k in ("num_hidden_layers", "layer_types") if hasattr(conf, k)}
+                import transformers
+
+                raise AttnidError(f"transformers {transformers.__version__}'s {type(layer).__name__} keeps "
+                                  "buffers in its layers: running it a layer at a time needs a release that "
+                                  "keeps them in the model (transformers 5)")
+        kept = conf.num_hidden_layers
         conf.num_hidden_layers = 0  # the rest of the model built for real: embeddings, head, positions
-        if "layer_types" in kept and kept["layer_types"] is not None:
-            conf.layer_types = []
-        try:
-            self.model = cls(conf).to(dtype).eval()
+        try:  # (everything else of the config as it is: Qwen2 reads layer_types at init)
+            self.model = build().to(dtype)
         finally:
-            for k, v in kept.items():
-                setattr(conf, k, v)
+            conf.num_hidden_layers = kept
         container = self.model.get_submodule(lay.layers[0].rstrip(".").rsplit(".", 1)[0])
-        if not isinstance(container, nn.ModuleList):
-            raise AttnidError(f"internal: {type(container).__name__} holds the layers, not a ModuleList")
-        container.extend(_Slot(i) for i in range(self.L))
+        if not isinstance(container, nn.ModuleList) or len(container):
+            raise AttnidError(f"internal: {type(self.model).__name__}'s layers are not an empty ModuleList "
+                              "when built without them")
+        container.extend(_Slot(i, layer) for i, layer in enumerate(self.layers))
         self.params = dict(self.model.named_parameters())
         self.rest = [n for n in units.unit_of if not n.startswith(self.prefixes)]  # BERT's embedding
         # LayerNorm among them: unit 1's, but outside the layer
@@ -211,10 +235,17 @@ class LayerwiseLM:
     def run(self, path: Segment, ts: Sequence[float], ids: torch.Tensor, batch: int, work: Work[R],
             progress: Callable[[str], None] | None = None) -> list[list[R]]:
         """``work(model, chunks)`` at each point ``ts`` of ``path`` on the token chunks ``ids
-        [n, T]``, ``batch`` chunks at a time: per point, the results in the chunks' order."""
+        [n, T]``, ``batch`` chunks at a time (fewer when a group holds fewer): per point, the
+        results in the chunks' order. ``work`` sees transformers' model, but its layers are
+        slots: outputs transformers records with hooks on its layer classes
+        (``output_hidden_states``, ``output_attentions``) come back empty; hook the layers
+        (`layers`) instead, as `attnid.whole.align.activations.collect` does."""
         n, T = int(ids.shape[0]), int(ids.shape[1])
         per_chunk = 3 * T * self.width * torch.finfo(self.dtype).bits // 8 * len(ts)  # every point's states
         group = max(1, HIDDEN_BUDGET // per_chunk)
+        group = min(group, batch * max(1, MAX_GATES // len(ts)))  # threads: one per point and batch
+        if group > batch:
+            group -= group % batch  # whole batches: the same forwards as a run without groups
         out: list[list[R]] = [[] for _ in ts]
         for g in range(0, n, group):
             chunks = ids[g:g + group]
@@ -231,7 +262,9 @@ class LayerwiseLM:
         try:
             for t in ts:
                 self._set_rest(path, t)
-                gates.append([_Gate(lambda x=x: work(self.model, x)) for x in chunks])
+                gates.append([])
+                for x in chunks:  # each gate kept as soon as its thread runs: cancelled on failure
+                    gates[-1].append(_Gate(lambda x=x: work(self.model, x)))
                 for gate in gates[-1]:
                     gate.resume(None)  # embeddings, then parked at slot 0
             for i, layer in enumerate(self.layers):

@@ -110,8 +110,10 @@ def collect(m: Model, ids: torch.Tensor, batch: int = 8) -> Activations:
             model(input_ids=x, use_cache=False)
 
     lm.run(Segment(src, src), [0.0], ids, batch, run)
-    batches = len(s_in[0])
-    states = torch.cat([s_in[i][k] for k in range(batches) for i in range(L)])  # batch by batch
+    del lm  # its tables and head
+    rows = [torch.cat(x) for x in s_in]  # per layer [N, d], the chunks in order
+    step = batch * int(ids.shape[1])  # a batch's rows: stacked batch by batch, each batch layer by layer
+    states = torch.cat([r[k:k + step] for k in range(0, int(ids.numel()), step) for r in rows])
     heads = []
     for i in range(L):
         s = _spec(src, i)
