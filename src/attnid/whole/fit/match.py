@@ -12,7 +12,12 @@ continuous gauges cannot change (docs/theory.md §13.19).
 
 An exact rewrite is matched by nearest neighbours (each row's cheapest column; when these form
 a bijection they are also the optimal assignment, the sum of row minima being a lower bound);
-otherwise `scipy.optimize.linear_sum_assignment` solves it.
+otherwise `scipy.optimize.linear_sum_assignment` solves it, up to :data:`DENSE` rows. Larger
+problems (a 7B MLP's 11,008 neurons, its 4,096 stream coordinates) are solved on a sparse
+graph: each row's and each column's :data:`CANDIDATES` cheapest partners
+(`scipy.sparse.csgraph.min_weight_full_bipartite_matching`), which is the optimal assignment
+whenever the optimum pairs every row with one of them (docs/theory.md §13.19); the dense
+solver only when the candidates admit no perfect matching.
 """
 
 from __future__ import annotations
@@ -24,18 +29,59 @@ from attnid.rope import plane_dims
 from attnid.weights import AttentionWeights
 from attnid.whole.fit.canonical import MLP
 
+DENSE = 2048  # assignments of more rows go to the sparse solver first
+CANDIDATES = 16  # per row and per column: the cheapest partners the sparse solver may pick
+
 
 def assignment(cost: torch.Tensor) -> torch.Tensor:
-    """``perm [n]`` minimising ``sum_i cost[i, perm[i]]`` (``cost [n, n]``)."""
+    """``perm [n]`` minimising ``sum_i cost[i, perm[i]]`` (``cost [n, n]``; above ``DENSE``
+    rows, over each row's and column's cheapest candidates: see the module)."""
     n = cost.shape[0]
     nearest = cost.argmin(1)
     if torch.equal(nearest.sort().values, torch.arange(n)):
         return nearest
+    if n > DENSE:
+        k = min(CANDIDATES, n)
+        rows, cols = cost.topk(k, 1, largest=False), cost.topk(k, 0, largest=False)
+        perm = sparse_assignment(rows.indices, rows.values, cols.indices.T, cols.values.T)
+        if perm is not None:
+            return perm
+    return dense_assignment(cost)
+
+
+def dense_assignment(cost: torch.Tensor) -> torch.Tensor:
+    """``perm [n]`` minimising ``sum_i cost[i, perm[i]]`` over every pairing (scipy's solver)."""
     require("scipy", "hf")
     from scipy.optimize import linear_sum_assignment  # optional dependency, only when needed
 
     rows, cols = linear_sum_assignment(cost.double().numpy())
     return torch.as_tensor(cols[rows.argsort()], dtype=torch.long)
+
+
+def sparse_assignment(row_to: torch.Tensor, row_cost: torch.Tensor, col_from: torch.Tensor,
+                      col_cost: torch.Tensor) -> torch.Tensor | None:
+    """``perm [n]`` minimising the total cost over the candidate pairs only: row ``i``'s
+    ``row_to[i] [k]`` at ``row_cost[i]``, and column ``j``'s ``col_from[j] [k]`` (rows) at
+    ``col_cost[j]``; None when they admit no perfect matching."""
+    require("scipy", "hf")
+    import numpy as np
+    from scipy.sparse import csr_matrix
+    from scipy.sparse.csgraph import min_weight_full_bipartite_matching
+
+    n, k = row_to.shape
+    i = torch.cat([torch.arange(n).repeat_interleave(k), col_from.reshape(-1)])
+    j = torch.cat([row_to.reshape(-1), torch.arange(n).repeat_interleave(col_from.shape[1])])
+    c = torch.cat([row_cost.reshape(-1), col_cost.reshape(-1)]).double()
+    key, first = torch.unique(i * n + j, return_inverse=True)  # a pair found both ways: once
+    w = torch.empty(len(key), dtype=torch.float64).scatter_(0, first, c)
+    lo = float(w.min())  # the same shift on every edge moves every perfect matching's cost alike;
+    w = w - lo + 1.0  # weights at least 1 (a stored zero would be no edge)
+    graph = csr_matrix((w.numpy(), ((key // n).numpy(), (key % n).numpy())), shape=(n, n))
+    try:
+        r, col = min_weight_full_bipartite_matching(graph)
+    except ValueError:  # no perfect matching among the candidates
+        return None
+    return torch.as_tensor(np.asarray(col)[np.argsort(r)], dtype=torch.long)
 
 
 def _sqdist(X: torch.Tensor, Y: torch.Tensor) -> torch.Tensor:
@@ -106,7 +152,10 @@ def assign_heads(cost: torch.Tensor, G: int) -> torch.Tensor:
     return torch.cat([int(kv_groups[i]) * m + inner[i][int(kv_groups[i])] for i in range(G)])
 
 
-def _neuron_features(x: MLP) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+Features = list[tuple[torch.Tensor, torch.Tensor | None]]  # per neuron: rows, and a rank-one second factor
+
+
+def _neuron_features(x: MLP) -> Features:
     """Per neuron: (row features, second factor of a rank-one product or None)."""
     up = x.up if x.up_bias is None else torch.cat([x.up, x.up_bias[:, None]], 1)
     if x.kind == "other":
@@ -170,9 +219,23 @@ def match_neurons(A: MLP, B: MLP, tol: float = 0.0, chunk: int = 2048) -> torch.
     if float(sum(_diagonal(x, y) for x, y in zip(fa, fb, strict=True)).max()) <= tol**2:
         return torch.arange(f)
     fa, fb = _sketched(fa), _sketched(fb)
-    nearest = torch.cat([sum(_pair_cost(x, y, slice(i, i + chunk)) for x, y in zip(fa, fb, strict=True)
-                             ).argmin(1) for i in range(0, f, chunk)])
+    k = min(CANDIDATES, f) if f > DENSE else 1
+    row_cost, row_to = _cheapest(fa, fb, k, chunk)  # A's neurons: B's cheapest [f, k]
+    nearest = row_to[:, 0]
     if torch.equal(nearest.sort().values, torch.arange(f)):
         return nearest
+    if f > DENSE:  # each B neuron's cheapest A neurons too (the cost is symmetric), then the sparse graph
+        col_cost, col_from = _cheapest(fb, fa, k, chunk)
+        perm = sparse_assignment(row_to, row_cost, col_from, col_cost)
+        if perm is not None:
+            return perm
     cost = sum(_pair_cost(x, y, slice(None)) for x, y in zip(fa, fb, strict=True))
-    return assignment(cost)
+    return dense_assignment(cost)
+
+
+def _cheapest(fa: Features, fb: Features, k: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each of ``fa``'s neurons' ``k`` cheapest ``fb`` neurons: ``(costs, indices)`` ``[f, k]``,
+    cheapest first, the cost taken ``chunk`` rows at a time."""
+    parts = [sum(_pair_cost(x, y, slice(i, i + chunk)) for x, y in zip(fa, fb, strict=True)
+                 ).topk(k, 1, largest=False) for i in range(0, fa[0][0].shape[0], chunk)]
+    return torch.cat([p.values for p in parts]), torch.cat([p.indices for p in parts])
