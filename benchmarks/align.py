@@ -10,6 +10,8 @@
    evicted from the page cache first: (a) reading every tensor of both (the baseline of
    `benchmarks/diff.py`); (b) ``attnid align A B OUT --json`` (streamed: a unit at a time, each
    pass written, then certified by diff against B); (c) ``attnid merge A B OUT --align --json``;
+   with ``--unrelated``, B is another random draw of the config instead (every neuron and head
+   then assigned for real: the sparse assignment of `attnid.whole.fit.match`);
    (d) with ``--barrier``, ``attnid barrier A B --align --alphas 3`` on ``--barrier-tokens``
    tokens of the shipped Shakespeare (a character-level tokenizer saved next to A): the loss at
    3 points of the naive and the aligned path, streamed a layer at a time. Its time is mostly
@@ -82,6 +84,9 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the checkpoints")
     ap.add_argument("--skip-merge", action="store_true", help="time align only")
     ap.add_argument("--barrier", action="store_true", help="also time attnid barrier --align")
+    ap.add_argument("--unrelated", action="store_true",
+                    help="B another random draw of the config instead of A's rewrite: nearest neighbours "
+                         "clash and every neuron and head is assigned for real")
     ap.add_argument("--barrier-tokens", type=int, default=512, help="tokens barrier evaluates")
     args = ap.parse_args()
     from attnid.adapters.config import load_config
@@ -97,7 +102,12 @@ def main() -> None:
             t = time.perf_counter()
             n = make(config, a, args.dtype)
             print(f"made A: {n:,} parameters ({args.dtype}) in {time.perf_counter() - t:.0f}s")
-        if not (b / "model.safetensors.index.json").exists():
+        if args.unrelated:
+            b = root / "unrelated"
+            if not (b / "model.safetensors.index.json").exists():
+                make(config, b, args.dtype, seed=1)
+                print("made B: another random draw of the config")
+        elif not (b / "model.safetensors.index.json").exists():
             t_rw, m_rw, _ = run(REWRITE, str(a), str(b))
             print(f"rewrote B = A with permuted heads and neurons and rotated values: {t_rw:.0f}s, "
                   f"peak {m_rw:.2f} GB (certified by its own diff)")

@@ -94,8 +94,9 @@ def run(code: str, *argv: str, ok: tuple[int, ...] = (0,), env: dict[str, str] |
     return wall, peak_kb / 2**20, proc.stdout
 
 
-def make(config: dict, out: Path, dtype: str, shard_bytes: int = 2 * 2**30) -> int:
-    """A random checkpoint of ``config`` in ``out``, one tensor at a time; returns its parameters."""
+def make(config: dict, out: Path, dtype: str, shard_bytes: int = 2 * 2**30, seed: int = 0) -> int:
+    """A random checkpoint of ``config`` in ``out``, one tensor at a time (``seed``: another
+    draw); returns its parameters."""
     import torch
 
     from attnid.adapters.base import new_hf_model
@@ -117,7 +118,7 @@ def make(config: dict, out: Path, dtype: str, shard_bytes: int = 2 * 2**30) -> i
     shards.append(current)
 
     def produce(name: str) -> torch.Tensor:
-        gen = torch.Generator().manual_seed(sum(name.encode()) * 7919 + len(name))
+        gen = torch.Generator().manual_seed(sum(name.encode()) * 7919 + len(name) + 1_000_003 * seed)
         shape = shapes[name]
         if "norm" in name:
             t = 0.5 + torch.rand(shape, generator=gen)
