@@ -52,6 +52,15 @@ def data(config: dict, n: int = 5, batch: int = 2):
                    batch=batch)
 
 
+def assert_no_thread_left(before: set) -> None:
+    """Every thread started since ``before`` ends (each is given 5 s)."""
+    new = [t for t in threading.enumerate() if t not in before]
+    for t in new:
+        t.join(timeout=5)
+    alive = [t.name for t in new if t.is_alive()]
+    assert not alive, f"threads left running: {alive}"
+
+
 def losses(lm, a, b, batches, progress=None):
     """The summed loss at each of POINTS on the path from ``a`` to ``b``, streamed."""
     from attnid.checkpoint.evaluate import TokenLoss, batch_nll
@@ -113,7 +122,7 @@ def test_a_failing_layer_raises_and_leaves_no_thread(tmp_path, monkeypatch):
     config = WHOLE_CASES["llama-gqa-2layers"]
     (ua, _), (ub, _) = pair(config, tmp_path)
     lm = LayerwiseLM(ua)
-    before = threading.active_count()
+    before = set(threading.enumerate())
 
     def broken(*args, **kwargs):
         raise RuntimeError("layer 1 broke")
@@ -121,10 +130,7 @@ def test_a_failing_layer_raises_and_leaves_no_thread(tmp_path, monkeypatch):
     monkeypatch.setattr(lm.layers[1], "forward", broken)
     with pytest.raises(RuntimeError, match="layer 1 broke"):
         losses(lm, ua, ub, data(config))
-    for t in threading.enumerate():
-        if t is not threading.current_thread() and t.daemon:
-            t.join(timeout=5)
-    assert threading.active_count() <= before, [t.name for t in threading.enumerate()]
+    assert_no_thread_left(before)
 
 
 def test_a_model_in_memory_is_read_like_its_checkpoint(tmp_path):
@@ -172,13 +178,10 @@ def test_a_nan_weight_stops_the_run_and_leaves_no_thread(tmp_path):
     bad["model.layers.1.mlp.up_proj.weight"] = bad["model.layers.1.mlp.up_proj.weight"].clone()
     bad["model.layers.1.mlp.up_proj.weight"][0, 0] = float("nan")
     b = TensorSource(ModelTensors(a.layout, bad, a.config))
-    before = threading.active_count()
+    before = set(threading.enumerate())
     with pytest.raises(AttnidError, match=r"model\.layers\.1\.mlp\.up_proj\.weight holds NaN"):
         losses(LayerwiseLM(a), a, b, data(config))
-    for t in threading.enumerate():
-        if t is not threading.current_thread() and t.daemon:
-            t.join(timeout=5)
-    assert threading.active_count() <= before, [t.name for t in threading.enumerate()]
+    assert_no_thread_left(before)
 
 
 def test_forwards_in_flight_are_capped(tmp_path, monkeypatch):
