@@ -62,17 +62,16 @@ open_units(open_checkpoint(sys.argv[1]))
 
 
 def char_tokenizer(d: Path, vocab: int) -> Path:
-    """A character-level tokenizer (ids below ``vocab``) saved in ``d``; the text it reads."""
-    import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
+    """A character-level tokenizer of the shipped Shakespeare (`attnid.train.export.char_tokenizer`,
+    ids below ``vocab``) saved in ``d``; the text it reads."""
     from attnid.data import __file__ as data
+    from attnid.train.export import char_tokenizer as chars_tokenizer
 
-    chars = {chr(c): i + 1 for i, c in enumerate(range(32, 32 + min(vocab, 96) - 1))}
-    tok = Tokenizer(models.WordLevel({"<unk>": 0, **chars}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(d)
-    return Path(data).parent / "shakespeare.txt"
+    text = Path(data).parent / "shakespeare.txt"
+    chars = "".join(sorted(set(text.read_text(encoding="utf-8"))))
+    assert len(chars) <= vocab, (len(chars), vocab)
+    chars_tokenizer(chars).save_pretrained(d)
+    return text
 
 
 def main() -> None:

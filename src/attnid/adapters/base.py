@@ -455,7 +455,12 @@ def new_hf_model(c: Config, *, head: bool = True, eager: bool = False) -> nn.Mod
     conf = hf_config(c)
     if eager:
         conf._attn_implementation = "eager"
-    cls = hf_model_class(c, head=head)
+    return build_from(hf_model_class(c, head=head), conf, c)
+
+
+def build_from(cls: Any, conf: Any, c: Config) -> nn.Module:
+    """``cls`` (a transformers class, or ``AutoModel``) built from the config object ``conf``
+    made from ``c``; transformers' refusal in one line naming ``c``'s file."""
     try:
         return cls(conf) if cls.__name__ != "AutoModel" else cls.from_config(conf)
     except Exception as e:  # transformers building a user's config: its refusal (see read_hf_config)

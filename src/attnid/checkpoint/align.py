@@ -265,7 +265,7 @@ def align_checkpoints(model_a: str | Path, model_b: str | Path, out_dir: str | P
     shown = progress if progress is not None else Progress(enabled=False)
     acts = None
     if calib is not None:  # both models run on the tokens, a layer at a time
-        acts = activations(ua, ub, subgroup, calib, shown.line)  # streamed: a layer at a time
+        acts = activations(ua, ub, subgroup, calib, shown.line)
     al, written, worst, tol = aligned_files(ua, ub, dst, subgroup, acts, shown.line)
     refined: dict[str, Any] | None = None
     try:

@@ -168,8 +168,7 @@ class LayerwiseLM:
     or ``eager``) with its decoder layers run one at a time (see the module)."""
 
     def __init__(self, units: Source, dtype: torch.dtype = torch.float32, *, eager: bool = False) -> None:
-        from attnid.adapters.base import hf_config, hf_model_class
-        from attnid.adapters.config import source_of
+        from attnid.adapters.base import build_from, hf_config, hf_model_class
 
         lay = units.layout
         self.L, self.dtype = len(lay.layers), dtype
@@ -180,13 +179,8 @@ class LayerwiseLM:
         self.width = int(conf.hidden_size)
         cls = hf_model_class(units.config)
 
-        def build() -> nn.Module:  # as `attnid.adapters.base.new_hf_model`; its refusal in one line
-            try:
-                model = cls(conf) if cls.__name__ != "AutoModel" else cls.from_config(conf)
-                return model.eval()  # no dropout
-            except Exception as e:
-                raise AttnidError(f"transformers cannot build {cls.__name__} from {source_of(units.config)} "
-                                  f"({type(e).__name__}: {e})") from None
+        def build() -> nn.Module:
+            return build_from(cls, conf, units.config).eval()  # no dropout
 
         with torch.device("meta"):  # the layers, without memory until each is run
             full = build()
@@ -209,21 +203,18 @@ class LayerwiseLM:
             raise AttnidError(f"internal: {type(self.model).__name__}'s layers are not an empty ModuleList "
                               "when built without them")
         container.extend(_Slot(i, layer) for i, layer in enumerate(self.layers))
-        self.params = dict(self.model.named_parameters())
-        self.rest = [n for n in units.unit_of if not n.startswith(self.prefixes)]  # BERT's embedding
+        params = dict(self.model.named_parameters())  # a tied head once, as its table
+        rest = {n for n in units.unit_of if not n.startswith(self.prefixes)}  # BERT's embedding
         # LayerNorm among them: unit 1's, but outside the layer
-        missing = [n for n in self.params if n not in self.rest and not self._tied(n)]
+        self.rest = {n: p.data for n, p in params.items() if n in rest}  # what the checkpoint gives
+        given = {p.data_ptr() for p in self.rest.values()}
+        missing = [n for n, p in params.items() if p.data_ptr() not in given]  # nor tied to what it gives
         if missing:
             raise AttnidError(f"internal: no tensor for {missing[0]} in the checkpoint's tables and head")
 
-    def _tied(self, name: str) -> bool:
-        """A parameter sharing its storage with one the checkpoint provides (a tied head)."""
-        ptr = self.params[name].data_ptr()
-        return any(self.params[n].data_ptr() == ptr for n in self.rest if n in self.params)
-
     def _set_rest(self, path: Segment, t: float) -> None:
         """The tables, final norm and head at point ``t``."""
-        path.put({n: p.data for n, p in self.params.items() if n in self.rest}, t)
+        path.put(self.rest, t)
 
     def _set_layer(self, path: Segment, i: int, t: float) -> None:
         prefix = self.prefixes[i]

@@ -81,6 +81,13 @@ def unit_extras(lay: Layout, unit: int) -> list[str]:
     return []
 
 
+def _finite(name: str, t: torch.Tensor) -> torch.Tensor:
+    """``t``, refused when a floating tensor holds NaN or Inf (a model in memory: no file to name)."""
+    if t.is_floating_point() and not torch.isfinite(t).all():
+        raise AttnidError(f"tensor {name} holds NaN or Inf values")
+    return t
+
+
 class TensorSource:
     """A model in memory (a Hugging Face module or a `ModelTensors`) as a `UnitSource`."""
 
@@ -96,8 +103,7 @@ class TensorSource:
     def load(self, unit: int, *, check: bool = True) -> ModelTensors:
         if check:
             for n, t in self.m.tensors.items():
-                if t.is_floating_point() and not torch.isfinite(t).all():
-                    raise AttnidError(f"tensor {n} holds NaN or Inf values")
+                _finite(n, t)
         return self.m
 
     def read_ahead(self, unit: int) -> None:
@@ -122,9 +128,7 @@ class TensorSource:
     def tensor(self, name: str, *, check: bool = True) -> torch.Tensor:
         """One tensor by its ``state_dict`` name (as `attnid.checkpoint.units.Units.tensor`)."""
         t = self.m.tensors[name]
-        if check and t.is_floating_point() and not torch.isfinite(t).all():
-            raise AttnidError(f"tensor {name} holds NaN or Inf values")
-        return t
+        return _finite(name, t) if check else t
 
 
 class SplitSource(TensorSource):
@@ -142,8 +146,7 @@ class SplitSource(TensorSource):
         out = {n: self.m.tensors[n] for n in names}
         if check:
             for n, t in out.items():
-                if t.is_floating_point() and not torch.isfinite(t).all():
-                    raise AttnidError(f"tensor {n} holds NaN or Inf values")
+                _finite(n, t)
         if dtype is not None:
             out = {n: t.to(dtype) if t.is_floating_point() else t for n, t in out.items()}
         return ModelTensors(self.layout, out, self.config)
