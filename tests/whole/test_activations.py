@@ -30,13 +30,11 @@ def whole(model, ids: torch.Tensor, batch: int):
         for k in range(0, ids.shape[0], batch):
             hs = model(input_ids=ids[k:k + batch], output_hidden_states=True).hidden_states[:-1]
             states.append(torch.cat([h.reshape(-1, h.shape[-1]) for h in hs]))
-    heads = []
+    values = []
     for i in range(L):
         s = m.spec(i)
-        z = torch.cat(o_in[i]).reshape(-1, s.n_heads, s.v_head_dim)
-        W = m.weight(lay.writers[i][0]).T.reshape(s.n_heads, s.v_head_dim, -1)
-        heads.append(torch.einsum("nhv,hvd->hnd", z, W))
-    return torch.cat(states), heads, [torch.cat(x) for x in d_in]
+        values.append(torch.cat(o_in[i]).reshape(-1, s.n_heads, s.v_head_dim).transpose(0, 1))
+    return torch.cat(states), values, [torch.cat(x) for x in d_in]
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -64,11 +62,40 @@ def test_streamed_activations_are_the_whole_models(family, groups, tmp_path, mon
     T = min(5, model.config.max_position_embeddings if hasattr(model.config, "max_position_embeddings")
             else model.config.n_positions)
     ids = torch.randint(0, model.config.vocab_size, (5, T), generator=torch.Generator().manual_seed(0))
-    states, heads, neurons = whole(model, ids, batch=2)
+    states, values, neurons = whole(model, ids, batch=2)
     model.save_pretrained(tmp_path / "m")
     for where, src in (("memory", ModelTensors.of(model)),
                        ("checkpoint", open_units(open_checkpoint(tmp_path / "m")))):
         got = collect(src, ids, batch=2)
-        errs = [rel(got.stream, states)] + [rel(a, b) for a, b in zip(got.heads, heads, strict=True)]
+        errs = [rel(got.stream, states)] + [rel(a, b) for a, b in zip(got.values, values, strict=True)]
         errs += [rel(a, b) for a, b in zip(got.neurons, neurons, strict=True)]
         assert max(errs) <= 1e-12, f"{family} from {where}, {groups}: relative errors {errs}"
+
+
+@pytest.mark.parametrize("block", ["one block", "a token a block"])
+@pytest.mark.parametrize("frame", ["stream rotated", "stream permuted"])
+def test_head_matching_from_outputs_is_the_cosine_of_the_writes(block, frame, monkeypatch):
+    """Heads matched from their outputs and the output projections (B's in A's stream frame),
+    a token block at a time, equal those matched on the writes themselves ``z_h W_O^h``
+    (B's moved into A's frame afterwards): the same assignment, which is the shuffle B was
+    built with (B's heads A's, shuffled within kv groups, plus noise)."""
+    from attnid.whole.align import activations as act
+
+    if block != "one block":
+        monkeypatch.setattr(act, "WRITE_BLOCK", 1)
+    g = torch.Generator().manual_seed(0)
+    H, N, dv, d, G = 6, 7, 3, 8, 3
+    zA, WA = (torch.randn(*shape, generator=g, dtype=torch.float64) for shape in ((H, N, dv), (H, dv, d)))
+    shuffle = torch.tensor([1, 0, 3, 2, 5, 4])  # within kv groups of 2
+    Q = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))[0]
+    perm = torch.randperm(d, generator=g)
+    move = (lambda W: W @ Q.T) if frame == "stream rotated" else (lambda W: W[..., torch.argsort(perm)])
+    back = (lambda X: X @ Q) if frame == "stream rotated" else (lambda X: X[..., perm])
+    zB = zA[shuffle] + 0.1 * torch.randn(H, N, dv, generator=g, dtype=torch.float64)
+    WB = move(WA[shuffle])  # B's projections in B's own stream frame
+    a, b = (act.Activations(torch.zeros(1, d), [z], []) for z in (zA, zB))
+    got = act.head_matching(a, b, 0, G, WA, back(WB))
+    xa, xb = torch.einsum("hnv,hvd->hnd", zA, WA), back(torch.einsum("hnv,hvd->hnd", zB, WB))
+    fa, fb = (x.flatten(1) / x.flatten(1).norm(dim=1, keepdim=True) for x in (xa, xb))
+    want = act.assign_heads(1 - fa @ fb.T, G)
+    assert torch.equal(got, want) and torch.equal(got, shuffle), f"{got.tolist()} vs {want.tolist()}"

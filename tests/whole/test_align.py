@@ -267,6 +267,41 @@ def test_the_stream_refinement_stops_at_the_storage_rounding(same, monkeypatch):
         assert rel > eps / 2 and refits, got
 
 
+def test_align_unit_lets_b_as_loaded_go_before_it_returns(monkeypatch):
+    """Given a loader rather than B's unit, `align_unit` holds the unit as loaded only until a
+    transform replaces its tensors: when the stream is rotated, the weights that moving B's norm
+    gains to A's replaced are freed (a 7B layer's float32 copy is 0.8 GB); given the unit
+    itself, its caller holds them to the end. Both give the same distances."""
+    import weakref
+
+    import attnid.whole.align.aligner as aligner
+    from attnid.whole.fit.source import SplitSource
+
+    a, b = (SplitSource(T.ModelTensors.of(tiny_model(FAMILIES["llama-gqa"], seed=s))) for s in (0, 1))
+    d = a.m.spec(0).d_model
+    Q = torch.linalg.qr(torch.randn(d, d, dtype=torch.float64, generator=torch.Generator().manual_seed(0)))[0]
+    plan = aligner.Plan("full", Q=Q)
+    refs: list[weakref.ref] = []
+    alive: list[int] = []
+    rotate = aligner.residual_rotation
+
+    def load() -> T.ModelTensors:
+        m = b.load(1, torch.float32)  # fresh float32 copies, as from a bfloat16 checkpoint
+        refs[:] = [weakref.ref(m.tensors[n]) for n in m.tensors if n.endswith("q_proj.weight")]
+        return m
+
+    def watched(*x, **k):
+        alive.append(sum(r() is not None for r in refs))
+        return rotate(*x, **k)
+
+    monkeypatch.setattr(aligner, "residual_rotation", watched)
+    lazy = aligner.align_unit(a.load(1, torch.float32), load, 1, b.names(1), plan)
+    held = load()
+    eager = aligner.align_unit(a.load(1, torch.float32), held, 1, b.names(1), plan)
+    assert refs and alive == [0, len(refs)], f"q_proj weights as loaded alive at the rotation: {alive}"
+    assert lazy.distances == eager.distances, f"{lazy.distances} != {eager.distances}"
+
+
 def test_a_unit_at_rounding_adds_a_own_gram_to_the_refit(monkeypatch):
     """B with A's tables and final norm (unit 0 within rounding: its cross product is skipped in
     the pass, and A's own Gram added when a round is tried) and another model's layers: the

@@ -9,7 +9,10 @@ is matched is what each part of the group moves:
   assignment on their column correlations the permutation;
 * each head's contribution to the stream, ``z_h W_O^h`` (every per-kv-group gauge leaves it, the
   stream rotation moves it by ``Q``): heads are matched on the cosine of these, kv groups kept
-  whole;
+  whole. Only each head's output ``z_h [N, d_v]`` is kept; its write is made from the output
+  projection as the unit is aligned (B's already in A's stream coordinates), a token block
+  at a time: a 7B layer's writes on 256 tokens would be 268 MB a model, ``d / d_v`` = 32 times
+  its outputs;
 * each MLP neuron's activation (the down projection's input: a per-neuron scale multiplies it,
   a permutation reorders it): neurons matched on correlation (absolute for gated MLPs, whose
   up half may take a negative scale).
@@ -30,7 +33,6 @@ from attnid.whole.fit.match import assign_heads, assignment
 from attnid.whole.fit.rotation import procrustes
 from attnid.whole.fit.source import TensorSource
 from attnid.whole.layerwise import LayerwiseLM, Segment
-from attnid.whole.transforms.layout import Lin
 from attnid.whole.transforms.state import ModelTensors
 
 Model = Any  # a ModelTensors, or what `attnid.whole.layerwise` reads (a checkpoint's units, a TensorSource)
@@ -41,7 +43,7 @@ class Activations:
     """One model's activations on the calibration tokens (``N`` token positions)."""
 
     stream: torch.Tensor  # [N (L), d]: every layer's input, stacked
-    heads: list[torch.Tensor]  # per layer [H, N, d]: each head's write into the stream
+    values: list[torch.Tensor]  # per layer [H, N, dv]: each head's output (the output projection's input)
     neurons: list[torch.Tensor]  # per layer [N, f]
 
 
@@ -52,19 +54,13 @@ def _source(m: Model) -> Any:
     return TensorSource(m) if isinstance(m, ModelTensors) else m
 
 
-def _weight(src: Any, lin: Lin) -> torch.Tensor:
-    """``[out, in]`` of one linear map, read alone."""
-    w = src.tensor(f"{lin.path}.weight")
-    return w.T if lin.conv1d else w
-
-
 def _spec(src: Any, layer: int) -> Any:
     return ModelTensors(src.layout, {}, src.config).spec(layer)
 
 
 def activation_bytes(m: Model, tokens: int) -> int:
     """What :func:`collect` keeps for one model on ``tokens`` positions (float64): the stream at
-    every layer's input ``[N, d]``, every head's write ``[H, N, d]`` and every neuron ``[N, f]``."""
+    every layer's input ``[N, d]``, every head's output ``[H, N, dv]`` and every neuron ``[N, f]``."""
     src = _source(m)
     lay = src.layout
     per_token = 0
@@ -72,7 +68,8 @@ def activation_bytes(m: Model, tokens: int) -> int:
         down = lay.mlps[i][1]
         shape = src.shape(f"{down.path}.weight")  # stored: [out = d, in = f], Conv1D [f, d]
         d, f = shape[::-1] if down.conv1d else shape
-        per_token += d + _spec(src, i).n_heads * d + f
+        s = _spec(src, i)
+        per_token += d + s.n_heads * s.v_head_dim + f
     return 8 * tokens * per_token
 
 
@@ -114,14 +111,12 @@ def collect(m: Model, ids: torch.Tensor, batch: int = 8) -> Activations:
     rows = [torch.cat(x) for x in s_in]  # per layer [N, d], the chunks in order
     step = batch * int(ids.shape[1])  # a batch's rows: stacked batch by batch, each batch layer by layer
     states = torch.cat([r[k:k + step] for k in range(0, int(ids.numel()), step) for r in rows])
-    heads = []
+    values = []
     for i in range(L):
         s = _spec(src, i)
         z = torch.cat(o_in[i]).reshape(-1, s.n_heads, s.v_head_dim)  # [N, H, dv]
-        W = _weight(src, lay.writers[i][0]).to(torch.float64)  # [d, H dv]
-        W = W.T.reshape(s.n_heads, s.v_head_dim, -1)  # [H, dv, d]
-        heads.append(torch.einsum("nhv,hvd->hnd", z, W))
-    return Activations(states, heads, [torch.cat(x) for x in d_in])
+        values.append(z.transpose(0, 1).contiguous())  # [H, N, dv]
+    return Activations(states, values, [torch.cat(x) for x in d_in])
 
 
 def _centred(X: torch.Tensor, layer_norm: bool) -> torch.Tensor:
@@ -143,18 +138,29 @@ def stream_permutation(a: Activations, b: Activations) -> torch.Tensor:
     return assignment(-(_standard(a.stream).T @ _standard(b.stream)))
 
 
+WRITE_BLOCK = 2**24  # elements of one block of heads' writes [H, n, d] (128 MiB in float64)
+
+
 def head_matching(a: Activations, b: Activations, layer: int, n_kv_heads: int,
-                  Q: torch.Tensor | None = None, perm: torch.Tensor | None = None) -> torch.Tensor:
-    """``perm [H]`` of B's heads (B's writes taken into A's stream frame by ``Q`` or ``perm``)."""
-    xa, xb = a.heads[layer], b.heads[layer]  # [H, N, d]
-    if Q is not None:
-        xb = xb @ Q
-    if perm is not None:
-        xb = xb[..., perm]
-    fa, fb = xa.flatten(1), xb.flatten(1)
-    fa = fa / fa.norm(dim=1, keepdim=True).clamp_min(1e-300)
-    fb = fb / fb.norm(dim=1, keepdim=True).clamp_min(1e-300)
-    return assign_heads(1 - fa @ fb.T, n_kv_heads)
+                  WA: torch.Tensor, WB: torch.Tensor) -> torch.Tensor:
+    """``perm [H]`` of B's heads, matched on the cosine of each head's write into the stream
+    ``z_h W_O^h [N, d]``, from the heads' outputs and each model's output projection per head
+    ``W [H, dv, d]`` (B's in A's stream coordinates: moved by the stream's rotation or
+    permutation), made a block of tokens at a time."""
+    za, zb = a.values[layer], b.values[layer]  # [H, N, dv]
+    WA, WB = WA.to(za.dtype), WB.to(zb.dtype)
+    H, N, d = za.shape[0], za.shape[1], WA.shape[-1]
+    step = max(1, WRITE_BLOCK // (H * d))
+    inner = torch.zeros(H, H, dtype=za.dtype)
+    na, nb = torch.zeros(H, dtype=za.dtype), torch.zeros(H, dtype=za.dtype)
+    for k in range(0, N, step):
+        xa = torch.bmm(za[:, k:k + step], WA)  # [H, n, d]
+        xb = torch.bmm(zb[:, k:k + step], WB)
+        inner += torch.einsum("hnd,knd->hk", xa, xb)
+        na += xa.square().sum((1, 2))
+        nb += xb.square().sum((1, 2))
+    cos = inner / (na.sqrt().clamp_min(1e-300)[:, None] * nb.sqrt().clamp_min(1e-300)[None, :])
+    return assign_heads(1 - cos, n_kv_heads)
 
 
 def neuron_matching(a: Activations, b: Activations, layer: int, signed: bool) -> torch.Tensor:

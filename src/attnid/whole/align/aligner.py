@@ -30,6 +30,7 @@ instead of permuted), ``full`` (the whole group).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol, get_args
@@ -159,17 +160,18 @@ def _floating(m: ModelTensors, own: list[str]) -> Iterator[str]:
 
 
 def unit_distance(a: ModelTensors, b: ModelTensors, own: list[str],
-                  memo: dict[str, tuple[torch.Tensor, float]] | None = None) -> float:
+                  memo: dict[str, tuple[weakref.ref, float]] | None = None) -> float:
     """``||B - A||`` over a unit's own floating tensors (one storage once), a chunk at a time
     (`attnid.numerics.sq_distance`: no full-size difference of a table is made). ``memo``: each
     tensor's last squared distance, reused while B's tensor is the same object (a transform
-    returns the tensors it leaves as they were)."""
+    returns the tensors it leaves as they were); held by a weak reference, so that a tensor a
+    transform replaced is freed (a 7B layer's float32 copy is 0.8 GB)."""
     memo = {} if memo is None else memo
     total = 0.0
     for n in _floating(a, own):
         t = b.tensors[n]
-        if n not in memo or memo[n][0] is not t:
-            memo[n] = (t, sq_distance(a.tensors[n], t))
+        if n not in memo or memo[n][0]() is not t:
+            memo[n] = (weakref.ref(t), sq_distance(a.tensors[n], t))
         total += memo[n][1]
     return total**0.5
 
@@ -205,15 +207,21 @@ def _neurons(a: ModelTensors, b: ModelTensors, i: int) -> torch.Tensor:
     return match_neurons(C.mlp(a, i, _frame(a, i), rows=SKETCH), C.mlp(b, i, _frame(b, i), rows=SKETCH))
 
 
-def fit_permutations(a: ModelTensors, b: ModelTensors, i: int, acts: Pair | None = None,
-                     Q: torch.Tensor | None = None, perm: torch.Tensor | None = None
+def _head_writers(m: ModelTensors, i: int) -> torch.Tensor:
+    """Layer ``i``'s output projection per head ``[H, dv, d]``."""
+    s = m.spec(i)
+    return m.weight(m.layout.writers[i][0]).T.reshape(s.n_heads, s.v_head_dim, -1)
+
+
+def fit_permutations(a: ModelTensors, b: ModelTensors, i: int, acts: Pair | None = None
                      ) -> tuple[ModelTensors, torch.Tensor, torch.Tensor]:
     """Layer ``i``'s heads and neurons matched (on gauge-invariant weight features, or on the
-    activations ``acts`` of A and of B before its stream moved by ``Q`` or ``perm``)."""
+    activations ``acts`` of A and of B, B's heads' writes made from its output projection as
+    it is now: in A's stream coordinates)."""
     if acts is None:
         heads, neurons = _heads(a, b, i), _neurons(a, b, i)
     else:
-        heads = head_matching(*acts, i, b.spec(i).n_kv_heads, Q, perm)
+        heads = head_matching(*acts, i, b.spec(i).n_kv_heads, _head_writers(a, i), _head_writers(b, i))
         neurons = neuron_matching(*acts, i, signed=b.layout.mlp != "gated")
     return neuron_permutation(head_permutation(b, i, heads), i, neurons), heads, neurons
 
@@ -329,14 +337,18 @@ class UnitAligned:
     scale: float = 0.0  # ||A|| over the unit's own tensors
 
 
-def align_unit(a: ModelTensors, b: ModelTensors, unit: int, own: list[str], plan: Plan,
-               with_cross: bool = False, cross_above: float = 0.0) -> UnitAligned:
+def align_unit(a: ModelTensors, b: ModelTensors | Callable[[], ModelTensors], unit: int,
+               own: list[str], plan: Plan, with_cross: bool = False, cross_above: float = 0.0
+               ) -> UnitAligned:
     """Unit ``unit`` of B (its ``own`` tensors and the extras it reads) aligned onto A's by
     ``plan`` and then every later part of the group (each acts within a unit, so a whole model
     is aligned unit by unit; docs/theory.md §13.20). ``with_cross``: also the stream cross
-    product, unless the aligned unit is within ``cross_above`` of ``||A||`` over the unit."""
+    product, unless the aligned unit is within ``cross_above`` of ``||A||`` over the unit.
+    ``b`` may be a function that loads the unit: then no caller holds B's tensors as they were,
+    and each stage's input is freed once the next is made (a 7B layer's float32 copy is 0.8 GB)."""
+    b = b() if callable(b) else b
     lay, subgroup = b.layout, plan.subgroup
-    memo: dict[str, tuple[torch.Tensor, float]] = {}
+    memo: dict[str, tuple[weakref.ref, float]] = {}
     dist: dict[str, float] = {"raw": unit_distance(a, b, own, memo)}
 
     def stage(name: str, m: ModelTensors) -> None:
@@ -359,7 +371,7 @@ def align_unit(a: ModelTensors, b: ModelTensors, unit: int, own: list[str], plan
     layer: dict[str, torch.Tensor] = {}
     in_layer = 0 <= i < len(lay.layers) and subgroup != "none"
     if in_layer:
-        b, layer["heads"], layer["neurons"] = fit_permutations(a, b, i, plan.acts, plan.Q, plan.perm)
+        b, layer["heads"], layer["neurons"] = fit_permutations(a, b, i, plan.acts)
     stage("permutations", b)
     if in_layer and subgroup != "permutations":
         b, M, Cv = fit_attention(a, b, i, "gl" if subgroup == "full" else "orthogonal")
@@ -484,7 +496,7 @@ def align_sources(a: UnitSource, b: UnitSource, out: Output, *, subgroup: Subgro
 
         def compute(u: int) -> UnitAligned:
             read_ahead((a,), u + 1, u + 2)  # A's next units, read while this one computes (B's: the output)
-            r = align_unit(a.load(u, dtype), b.load(u, dtype), u, b.names(u), p, with_cross=moves,
+            r = align_unit(a.load(u, dtype), lambda: b.load(u, dtype), u, b.names(u), p, with_cross=moves,
                            cross_above=eps / 2)
             if r.cross is not None:
                 summed[:] = [r.cross if not summed else summed[0] + r.cross]
@@ -515,6 +527,8 @@ def align_sources(a: UnitSource, b: UnitSource, out: Output, *, subgroup: Subgro
         else:
             cand = replace(best.plan, perm=best.plan.perm[r])
         nxt = run(cand)
+        say(f"stream refinement round {rounds + 1}: distance {nxt.total**0.5:.6g} "
+            f"(was {best.total**0.5:.6g})")
         if not nxt.total < best.total * (1 - 1e-9):
             out.drop(nxt.handle)
             break
