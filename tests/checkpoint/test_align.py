@@ -207,13 +207,17 @@ def _bad_cases(p: dict, root: Path, tmp: Path) -> dict[str, tuple[list, str]]:
         "missing-model": (["align", tmp / "nothing", b, out], "nothing"),
         "nan-weights-barrier": (["barrier", a, root / "nan", "--calibration", text], "NaN"),
         "nan-weights-calibration": (["align", a, root / "nan", out, "--calibration", text], "NaN"),
+        "rounds-align": (["align", a, b, out, "--rounds", "-1"], "--rounds -1"),
+        "rounds-merge": (["merge", a, b, out, "--align", "--rounds", "-2"], "--rounds -2"),
+        "rounds-barrier": (["barrier", a, b, "--calibration", text, "--align", "--rounds", "-1"], "--rounds"),
     }
 
 
 CASE_NAMES = ["other-architecture-align", "other-architecture-merge", "other-architecture-barrier",
               "missing-data", "short-data", "missing-calibration", "missing-tokenizer", "alpha-high",
               "alpha-nan", "alphas-two", "subgroup", "out-is-a", "out-is-b", "out-not-empty", "plot-folder",
-              "plot-format", "context", "missing-model", "nan-weights-barrier", "nan-weights-calibration"]
+              "plot-format", "context", "missing-model", "nan-weights-barrier", "nan-weights-calibration",
+              "rounds-align", "rounds-merge", "rounds-barrier"]
 
 
 @pytest.fixture(scope="module")

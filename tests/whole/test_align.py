@@ -241,6 +241,40 @@ def _stored(m: T.ModelTensors, dtype) -> T.ModelTensors:
                                      for n, t in m.tensors.items()}, m.config)
 
 
+@pytest.mark.parametrize("rounds", [0, 1, 2])
+def test_rounds_bound_the_passes_over_the_units(rounds, monkeypatch):
+    """An unrelated pair, whose stream refinement lowers the distance for several rounds (three
+    or more with the default bound, checked): ``rounds`` bounds the passes at ``rounds + 1``
+    and the refits at ``rounds``, and the alignment says how many rounds it kept; the distance
+    never rises with more rounds. The CLI's default is the library's."""
+    import inspect
+
+    import attnid.whole.align.aligner as aligner
+    from attnid.cli.align import align_cmd
+    from attnid.whole.align.stream import ROUNDS
+    from attnid.whole.fit.source import SplitSource
+
+    a, b = (_stored(T.ModelTensors.of(tiny_model(FAMILIES["llama-gqa"], seed=s)), torch.bfloat16)
+            for s in (0, 1))
+    refits, refit = [], aligner.refit
+    monkeypatch.setattr(aligner, "refit", lambda *x: refits.append(1) or refit(*x))
+    got = {}
+    for r in (rounds, ROUNDS):
+        refits.clear()
+        out = _Counted(SplitSource(b).count)
+        al, _ = aligner.align_sources(SplitSource(a), SplitSource(b), out, subgroup="full",
+                                      dtype=torch.float32, rounds=r)
+        got[r] = (out.passes, len(refits), al.aligned_distance, al.stream)
+    passes, n_refits, dist, how = got[rounds]
+    assert got[ROUNDS][0] >= 4, f"the default bound made only {got[ROUNDS][0]} passes: a weak case"
+    assert passes == rounds + 1 and n_refits == rounds, f"rounds {rounds}: {passes} passes, {n_refits} refits"
+    assert (f"({rounds} rounds)" in how) == (rounds > 0), how
+    assert got[ROUNDS][2] <= dist, f"{ROUNDS} rounds: {got[ROUNDS][2]} > {rounds} rounds: {dist}"
+    assert inspect.signature(align_cmd).parameters["rounds"].default == ROUNDS
+    with pytest.raises(AttnidError, match="--rounds -1"):
+        aligner.align_sources(SplitSource(a), SplitSource(b), _Counted(1), rounds=-1)
+
+
 @pytest.mark.parametrize("same", [True, False], ids=["symmetric-pair", "unrelated-pair"])
 def test_the_stream_refinement_stops_at_the_storage_rounding(same, monkeypatch):
     """A bfloat16 B that is A moved by a group element comes back to A within bfloat16's rounding

@@ -39,7 +39,8 @@ from attnid.checkpoint.units import Units, layout_of_config, open_units
 from attnid.errors import AttnidError
 from attnid.progress import Progress
 from attnid.whole.align import SUBGROUPS
-from attnid.whole.align.aligner import Alignment, activations, align_sources
+from attnid.whole.align.aligner import Alignment, activations, align_sources, check_rounds
+from attnid.whole.align.stream import ROUNDS
 from attnid.whole.fit.fitter import compute_dtype
 from attnid.whole.fit.source import read_ahead
 from attnid.whole.transforms.element import LayerElement
@@ -178,14 +179,15 @@ def certify(ub: Units, out: Path, stream_permutation: torch.Tensor | None,
 
 
 def aligned_files(ua: Units, ub: Units, dst: Path, subgroup: str, acts: Any = None,
-                  progress: Callable[[str], None] | None = None) -> tuple[Alignment, Path, float, float]:
-    """B aligned onto A, streamed, written into a temporary sibling of ``dst`` and certified
-    against B: ``(alignment, the written folder, worst residual, rounding level)``; the caller
-    removes the folder."""
+                  progress: Callable[[str], None] | None = None, rounds: int = ROUNDS
+                  ) -> tuple[Alignment, Path, float, float]:
+    """B aligned onto A, streamed (at most ``rounds`` refinements of the stream), written into a
+    temporary sibling of ``dst`` and certified against B: ``(alignment, the written folder,
+    worst residual, rounding level)``; the caller removes the folder."""
     from attnid.whole.fit.fitter import compute_dtype
 
     al, tmp = align_sources(ua, ub, Written(ub, dst), subgroup=subgroup, acts=acts,  # type: ignore[arg-type]
-                            dtype=compute_dtype(ub.dtype()), progress=progress)
+                            dtype=compute_dtype(ub.dtype()), progress=progress, rounds=rounds)
     try:
         copy_other_files(ub.ck.root, tmp, {f.path.name for f in ub.ck.files})
         if ub.untied:
@@ -249,14 +251,16 @@ def refined_files(a: Checkpoint, ua: Units, ub: Units, al: Alignment, written: P
 def align_checkpoints(model_a: str | Path, model_b: str | Path, out_dir: str | Path, *,
                       subgroup: str = "full",
                       calibration: str | Path | None = None, refine: int | None = None,
-                      force: bool = False,
+                      force: bool = False, rounds: int = ROUNDS,
                       end_to_end_max_bytes: int = 2 * 1024**3, progress: Progress | None = None
                       ) -> dict[str, Any]:
     """Write B aligned onto A into ``out_dir``, certified; returns its JSON (see the module).
     ``refine``: that many steps of `attnid.whole.align.refine` on the ``calibration`` text
-    after the matching (the output certified against B again)."""
+    after the matching (the output certified against B again). ``rounds``: at most this many
+    refinements of the stream, each one more pass over both checkpoints."""
     start = time.perf_counter()
     check_subgroup(subgroup)
+    check_rounds(rounds)
     check_refine(refine, calibration, subgroup)
     a, b, ua, ub = open_pair(model_a, model_b, purpose="align")
     apart(Path(out_dir).resolve(), a, "A")
@@ -266,7 +270,7 @@ def align_checkpoints(model_a: str | Path, model_b: str | Path, out_dir: str | P
     acts = None
     if calib is not None:  # both models run on the tokens, a layer at a time
         acts = activations(ua, ub, subgroup, calib, shown.line)
-    al, written, worst, tol = aligned_files(ua, ub, dst, subgroup, acts, shown.line)
+    al, written, worst, tol = aligned_files(ua, ub, dst, subgroup, acts, shown.line, rounds)
     refined: dict[str, Any] | None = None
     try:
         if refine is not None:
@@ -308,14 +312,16 @@ def interpolate(A: ModelTensors, B: ModelTensors, alpha: float) -> ModelTensors:
 
 def merge_checkpoints(model_a: str | Path, model_b: str | Path, out_dir: str | Path, *, alpha: float = 0.5,
                       aligned: bool = False, subgroup: str = "full", calibration: str | Path | None = None,
-                      refine: int | None = None, force: bool = False,
+                      refine: int | None = None, force: bool = False, rounds: int = ROUNDS,
                       progress: Progress | None = None) -> dict[str, Any]:
     """Write ``(1 - alpha) A + alpha B`` (B aligned onto A first when ``aligned``: matched on
-    activations over ``calibration`` when given, refined for ``refine`` steps on it) into
-    ``out_dir`` in A's files and dtype; returns its JSON."""
+    activations over ``calibration`` when given, refined for ``refine`` steps on it; at most
+    ``rounds`` refinements of the stream) into ``out_dir`` in A's files and dtype; returns its
+    JSON."""
     start = time.perf_counter()
     check_alpha(alpha)
     check_subgroup(subgroup)
+    check_rounds(rounds)
     if (calibration is not None or refine is not None) and not aligned:
         raise AttnidError("--calibration and --refine act on the alignment: add --align")
     check_refine(refine, calibration, subgroup)
@@ -329,7 +335,8 @@ def merge_checkpoints(model_a: str | Path, model_b: str | Path, out_dir: str | P
     try:
         if aligned:
             acts = None if calib is None else activations(ua, ub, subgroup, calib, shown.line)
-            al, written, worst, _ = aligned_files(ua, ub, dst, subgroup, acts, progress=shown.line)
+            al, written, worst, _ = aligned_files(ua, ub, dst, subgroup, acts, progress=shown.line,
+                                                  rounds=rounds)
             refined = None
             if refine is not None:
                 assert fitted is not None  # check_refine

@@ -19,6 +19,8 @@ from attnid.checkpoint.tokens import Batches, read_chunks
 from attnid.checkpoint.units import Units
 from attnid.errors import AttnidError
 from attnid.progress import Progress
+from attnid.whole.align.aligner import check_rounds
+from attnid.whole.align.stream import ROUNDS
 from attnid.whole.layerwise import LayerwiseLM, Segment, Source
 
 END_LOSS_RTOL = 1e-4  # aligned B against B, both evaluated in float32
@@ -57,9 +59,10 @@ def check_alphas(n: int) -> list[float]:
 def barrier(model_a: str | Path, model_b: str | Path, data: str | Path, *, aligned: bool = False,
             subgroup: str = "full", alphas: int = 11, context: int | None = None, max_tokens: int = 65536,
             refine: int | None = None, refine_calibration: str | Path | None = None,
-            progress: Progress | None = None) -> dict[str, Any]:
-    """The losses along the path (naive; and aligned with ``aligned``; and refined for
-    ``refine`` steps on the ``refine_calibration`` text) and their barriers."""
+            rounds: int = ROUNDS, progress: Progress | None = None) -> dict[str, Any]:
+    """The losses along the path (naive; and aligned with ``aligned``, at most ``rounds``
+    refinements of the stream; and refined for ``refine`` steps on the ``refine_calibration``
+    text) and their barriers."""
     from attnid.checkpoint.align import (
         REFINE_TOKENS,
         aligned_files,
@@ -72,6 +75,7 @@ def barrier(model_a: str | Path, model_b: str | Path, data: str | Path, *, align
     start = time.perf_counter()
     ts = check_alphas(alphas)
     check_subgroup(subgroup)
+    check_rounds(rounds)
     if refine is not None and not aligned:
         raise AttnidError("--refine acts on the alignment: add --align")
     check_refine(refine, refine_calibration, subgroup, "--refine-calibration")
@@ -86,8 +90,8 @@ def barrier(model_a: str | Path, model_b: str | Path, data: str | Path, *, align
     try:
         if aligned:  # first: the alignment's memory is given back before the evaluator's is taken
             dst = b.root.parent / f"{b.root.name}-aligned"
-            al, written, _, _ = aligned_files(ua, ub, dst, subgroup,
-                                              progress=shown.line)  # streamed, certified: still B's function
+            al, written, _, _ = aligned_files(ua, ub, dst, subgroup, progress=shown.line,
+                                              rounds=rounds)  # streamed, certified: still B's function
         lm = LayerwiseLM(ua)  # one layer's weights at a time, A's class and config, float32
         curves = {"naive": path_losses(lm, ua, ub, chunks, ts, shown, "naive")}
         if written is not None:

@@ -16,6 +16,10 @@ SubgroupOpt = Annotated[str, typer.Option(
                        "orthogonal (and per-kv-group orthogonal Q/K, V/O maps), rotation (the stream "
                        "rotated), full.")]
 Force = Annotated[bool, typer.Option("--force", help="Replace a non-empty OUT_DIR.")]
+RoundsOpt = Annotated[int, typer.Option(
+    "--rounds", help="At most N rounds refining the stream's rotation or permutation once every other "
+                     "part is fitted (each round one more pass over both models; 0: none). Fewer "
+                     "rounds are faster on large models that differ for real.")]
 RefineOpt = Annotated[int | None, typer.Option(
     "--refine", help="After matching, N steps lowering the mid-point loss on the calibration text with "
                      "the continuous part of the group (permutations kept; the output still B's "
@@ -34,6 +38,7 @@ def align_cmd(
                               "(tokenized with A's tokenizer) instead of on the weights; with "
                               "--refine, also the text the refinement lowers the loss on.")] = None,
     refine: RefineOpt = None,
+    rounds: RoundsOpt = 8,
     force: Force = False,
     json_out: Json = False,
 ) -> None:
@@ -50,7 +55,7 @@ def align_cmd(
 
     require_extras("hf", what="attnid align")
     r = align_checkpoints(model_a, model_b, out_dir, subgroup=subgroup, calibration=calibration,
-                          refine=refine, force=force,
+                          refine=refine, force=force, rounds=rounds,
                           progress=sized_progress(model_a, model_b, above=2**26, always=refine is not None))
     if json_out:
         emit_json(r)
@@ -102,6 +107,7 @@ def merge_cmd(
         "--calibration", help="With --align: match on activations over this text file (A's tokenizer), "
                               "and refine on it with --refine.")] = None,
     refine: RefineOpt = None,
+    rounds: RoundsOpt = 8,
     force: Force = False,
     json_out: Json = False,
 ) -> None:
@@ -115,7 +121,7 @@ def merge_cmd(
 
     require_extras("hf", what="attnid merge")
     r = merge_checkpoints(model_a, model_b, out_dir, alpha=alpha, aligned=align, subgroup=subgroup,
-                          calibration=calibration, refine=refine, force=force,
+                          calibration=calibration, refine=refine, force=force, rounds=rounds,
                           progress=sized_progress(model_a, model_b, above=2**26, always=refine is not None))
     if json_out:
         emit_json(r)
@@ -135,6 +141,7 @@ def barrier_cmd(
         "--calibration", help="Text file the loss is measured on (A's tokenizer).")],
     align: Annotated[bool, typer.Option("--align", help="Also the path to B aligned onto A.")] = False,
     subgroup: SubgroupOpt = "full",
+    rounds: RoundsOpt = 8,
     refine: RefineOpt = None,
     refine_calibration: Annotated[str | None, typer.Option(
         "--refine-calibration", help="With --refine: the text the refinement lowers the loss on (not "
@@ -170,6 +177,7 @@ def barrier_cmd(
         raise AttnidError(f"--max-tokens {max_tokens}: at least one chunk of 2 tokens")
     r = barrier(model_a, model_b, calibration, aligned=align, subgroup=subgroup, alphas=alphas,
                 context=context, max_tokens=max_tokens, refine=refine, refine_calibration=refine_calibration,
+                rounds=rounds,
                 progress=sized_progress(model_a, model_b, above=2**26, always=refine is not None))
     if plot:
         plot_path(r["alphas"], r["losses"], plot, f"{Path(r['model_a']).name} -> {Path(r['model_b']).name}")

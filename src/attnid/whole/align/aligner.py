@@ -399,6 +399,12 @@ def align_unit(a: ModelTensors, b: ModelTensors | Callable[[], ModelTensors], un
     return UnitAligned(b, layer, gains, dist, M, scale)
 
 
+def check_rounds(rounds: int) -> None:
+    """Refuse a number of refinement rounds that is not a whole number >= 0."""
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
+        raise AttnidError(f"--rounds {rounds}: a whole number of refinement rounds, 0 or more")
+
+
 def _within(Q: torch.Tensor, eps: float) -> bool:
     """``||Q - I||_F <= eps``: then ``x Q`` is ``x`` to ``eps ||x||`` for every row ``x`` (the
     rotation is skipped: it would move nothing beyond that rounding)."""
@@ -473,11 +479,14 @@ class _Pass:
 
 def align_sources(a: UnitSource, b: UnitSource, out: Output, *, subgroup: Subgroup = "full",
                   acts: Pair | None = None, dtype: torch.dtype | None = None,
-                  progress: Callable[[str], None] | None = None) -> tuple[Alignment, Any]:
+                  progress: Callable[[str], None] | None = None, rounds: int = ROUNDS
+                  ) -> tuple[Alignment, Any]:
     """B aligned onto A within ``subgroup``, reading both one unit at a time (floating tensors in
     ``dtype``; None: as held): the stream fitted on the tables' rows (or ``acts``), then passes
     over every unit, each writing B's aligned units to ``out``, while refining the stream lowers
-    the total distance. ``(alignment, out's handle on the kept pass)``."""
+    the total distance, for at most ``rounds`` rounds (each one more pass; 0: none).
+    ``(alignment, out's handle on the kept pass)``."""
+    check_rounds(rounds)
     say = progress or (lambda _: None)
     lay = b.layout
     L = len(lay.layers)
@@ -513,8 +522,8 @@ def align_sources(a: UnitSource, b: UnitSource, out: Output, *, subgroup: Subgro
         return _Pass(p, handle, done, summed[0] if summed else None, tuple(uncrossed))
 
     best = run(plan)
-    rounds = 0
-    for _ in range(ROUNDS if moves else 0):
+    kept = 0  # rounds that lowered the distance
+    for _ in range(rounds if moves else 0):
         if best.at_rounding(eps):
             break
         r = refit(best.full_cross(a, dtype), best.plan.Q is not None, lay.norm == "layer")
@@ -527,14 +536,14 @@ def align_sources(a: UnitSource, b: UnitSource, out: Output, *, subgroup: Subgro
         else:
             cand = replace(best.plan, perm=best.plan.perm[r])
         nxt = run(cand)
-        say(f"stream refinement round {rounds + 1}: distance {nxt.total**0.5:.6g} "
+        say(f"stream refinement round {kept + 1}: distance {nxt.total**0.5:.6g} "
             f"(was {best.total**0.5:.6g})")
         if not nxt.total < best.total * (1 - 1e-9):
             out.drop(nxt.handle)
             break
         out.drop(best.handle)
-        best, rounds = nxt, rounds + 1
-    how += f"; refined on every stream-side weight ({rounds} rounds)" if rounds else ""
+        best, kept = nxt, kept + 1
+    how += f"; refined on every stream-side weight ({kept} rounds)" if kept else ""
     say("heads, neurons and gauges fitted")
     units = [best.units[u] for u in range(b.count)]
     gains = {p: g for r in units for p, g in r.gains.items()}
@@ -546,11 +555,13 @@ def align_sources(a: UnitSource, b: UnitSource, out: Output, *, subgroup: Subgro
 
 def align(a: nn.Module | ModelTensors, b: nn.Module | ModelTensors, *, subgroup: Subgroup = "full",
           calibration: torch.Tensor | None = None, progress: Callable[[str], None] | None = None,
-          group: Subgroup | None = None) -> Alignment:
+          group: Subgroup | None = None, rounds: int = ROUNDS) -> Alignment:
     """B aligned onto A within ``subgroup`` (see the module); float64 throughout. With
     ``calibration`` (token ids ``[n, T]``) the stream, heads and neurons are matched on both
     models' activations (`attnid.whole.align.activations`) instead of on the weights.
+    ``rounds``: at most this many refinements of the stream (each one more pass over the units).
     ``group``: the old name of ``subgroup`` (deprecated)."""
+    check_rounds(rounds)
     subgroup = renamed_keyword("group", "subgroup", group, subgroup)
     if subgroup not in SUBGROUPS:
         raise AttnidError(f"unknown subgroup {subgroup!r}: one of {', '.join(SUBGROUPS)}")
@@ -559,7 +570,7 @@ def align(a: nn.Module | ModelTensors, b: nn.Module | ModelTensors, *, subgroup:
     acts = activations(A, B, subgroup, calibration, progress)
     sb = SplitSource(B)
     al, kept = align_sources(SplitSource(A), sb, Kept(sb.count), subgroup=subgroup, acts=acts,
-                             progress=progress)
+                             progress=progress, rounds=rounds)
     out = dict(B.tensors)
     for u, m in kept.items():
         out.update({n: m.tensors[n] for n in sb.names(u)})
