@@ -1,6 +1,7 @@
 """`attnid align` and `attnid merge --align` at real sizes: a Llama-2-7B-shaped pair, streamed.
 
     python benchmarks/align.py [--config Llama-2-7b] [--layers N] [--dtype bfloat16] [--dir DIR] [--keep]
+                                [--unrelated] [--rounds N] [--barrier] [--skip-merge]
 
 1. Makes (once) a random checkpoint A of the config the way `benchmarks/diff.py` does (bfloat16,
    sharded at 2 GiB, written one tensor at a time), and B = A rewritten with its MLP neurons and
@@ -87,6 +88,8 @@ def main() -> None:
                     help="B another random draw of the config instead of A's rewrite: nearest neighbours "
                          "clash and every neuron and head is assigned for real")
     ap.add_argument("--barrier-tokens", type=int, default=512, help="tokens barrier evaluates")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="pass --rounds N to align, merge and barrier (at most N stream-refinement rounds)")
     args = ap.parse_args()
     from attnid.adapters.config import load_config
 
@@ -117,7 +120,7 @@ def main() -> None:
         t_read, m_read, _ = run(READ, str(a), str(b))
         print(f"read both (safetensors, every tensor): {t_read:.1f}s, peak {m_read:.2f} GB")
         rows = {"config": args.config, "layers": config["num_hidden_layers"], "dtype": args.dtype,
-                "gib": size, "read_s": t_read}
+                "gib": size, "read_s": t_read, "rounds": args.rounds}
         jobs = [("align", ["align", str(a), str(b), str(out), "--force"])]
         if not args.skip_merge:
             jobs.append(("merge", ["merge", str(a), str(b), str(merged), "--align", "--force"]))
@@ -127,6 +130,7 @@ def main() -> None:
                                      "--alphas", "3", "--context", "128",
                                      "--max-tokens", str(args.barrier_tokens)]))
         for name, argv in jobs:
+            argv += [] if args.rounds is None else ["--rounds", str(args.rounds)]
             evict(a, b)
             t, m, stdout = run(COMMAND, *argv, env=store)
             r = json.loads(stdout)

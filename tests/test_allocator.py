@@ -3,7 +3,8 @@ a loop that allocates and frees the same 64 MiB tensor faults far fewer fresh pa
 blocks by default, 2 to 8 of them with it in runs on the 2-core machine (beside other work the
 kernel's memory reclaimer pages some freed heap blocks out again, so the count varies).
 `attnid.allocator.huge_pages`: the same loop faults each block in 2 MiB pages (512 times fewer
-faults) where the kernel offers transparent huge pages; it is refused once torch is imported."""
+faults) where the kernel offers transparent huge pages; it is refused once torch is imported.
+`attnid.allocator.return_freed_memory`: freed blocks of 2 MiB or more go back to the kernel."""
 
 import os
 import subprocess
@@ -61,3 +62,34 @@ def test_huge_pages_is_refused_once_torch_is_imported():
     env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
     assert out.stdout.strip() == "False", out.stdout
+
+
+HELD = """
+import sys
+import torch
+if sys.argv[1] == "return":
+    from attnid.allocator import return_freed_memory
+    assert return_freed_memory()
+page = 4096
+rss = lambda: int(open("/proc/self/statm").read().split()[1]) * page
+torch.ones(3 * 2**21).sum()  # 24 MiB mapped and freed: glibc's threshold rises to it
+blocks, pins = [], []
+for _ in range(20):
+    blocks.append(torch.ones(2**21))  # 8 MiB each
+    pins.append(torch.ones(2**10))  # a small block after each: the heap cannot shrink past it
+before = rss()
+blocks.clear()
+print((before - rss()) // 2**20)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_return_freed_memory_hands_freed_blocks_back():
+    """20 blocks of 8 MiB, each followed by a small one, freed together: glibc's default keeps
+    them resident (they sit in its heap below live blocks once its threshold has risen to a
+    24 MiB block's size); with `return_freed_memory` each was mapped on its own and the
+    whole 160 MiB goes back to the kernel."""
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    back = {how: int(subprocess.run([sys.executable, "-c", HELD, how], capture_output=True, text=True,
+                                    check=True, env=env).stdout) for how in ("default", "return")}
+    assert back["default"] < 40 and back["return"] >= 150, f"MiB handed back when freed: {back}"

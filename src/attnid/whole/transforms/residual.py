@@ -107,8 +107,8 @@ def residual_rotation(m: ModelTensors, Q: torch.Tensor) -> ModelTensors:
                           f"rotating the readers of {nm.path}"):
             continue
         g, b = m.gain(nm), m.norm_bias(nm)
-        for lin in nm.readers:
-            out.update(weight_change(lin, rotate(m.weight(lin) * g[None, :]) / g[None, :]))
+        for lin in nm.readers:  # the product divided in place: two full-size temporaries, not three
+            out.update(weight_change(lin, rotate(m.weight(lin) * g[None, :]).div_(g[None, :])))
         if b is not None:
             out[f"{nm.path}.bias"] = g * rotate((b / g)[None, :])[0]
     if lay.tied and final is not None and m.norm_bias(final) is not None:
