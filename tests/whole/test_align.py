@@ -250,7 +250,7 @@ def test_rounds_bound_the_passes_over_the_units(rounds, monkeypatch):
     import inspect
 
     import attnid.whole.align.aligner as aligner
-    from attnid.cli.align import align_cmd
+    from attnid.cli.align import align_cmd, barrier_cmd, merge_cmd
     from attnid.whole.align.stream import ROUNDS
     from attnid.whole.fit.source import SplitSource
 
@@ -270,7 +270,8 @@ def test_rounds_bound_the_passes_over_the_units(rounds, monkeypatch):
     assert passes == rounds + 1 and n_refits == rounds, f"rounds {rounds}: {passes} passes, {n_refits} refits"
     assert (f"({rounds} rounds)" in how) == (rounds > 0), how
     assert got[ROUNDS][2] <= dist, f"{ROUNDS} rounds: {got[ROUNDS][2]} > {rounds} rounds: {dist}"
-    assert inspect.signature(align_cmd).parameters["rounds"].default == ROUNDS
+    for cmd in (align_cmd, merge_cmd, barrier_cmd):
+        assert inspect.signature(cmd).parameters["rounds"].default == ROUNDS, cmd.__name__
     with pytest.raises(AttnidError, match="--rounds -1"):
         aligner.align_sources(SplitSource(a), SplitSource(b), _Counted(1), rounds=-1)
 

@@ -16,6 +16,7 @@ SubgroupOpt = Annotated[str, typer.Option(
                        "orthogonal (and per-kv-group orthogonal Q/K, V/O maps), rotation (the stream "
                        "rotated), full.")]
 Force = Annotated[bool, typer.Option("--force", help="Replace a non-empty OUT_DIR.")]
+ROUNDS = 8  # attnid.whole.align.stream.ROUNDS, not imported here: it imports torch (a test holds them equal)
 RoundsOpt = Annotated[int, typer.Option(
     "--rounds", help="At most N rounds refining the stream's rotation or permutation once every other "
                      "part is fitted (each round one more pass over both models; 0: none). Fewer "
@@ -38,7 +39,7 @@ def align_cmd(
                               "(tokenized with A's tokenizer) instead of on the weights; with "
                               "--refine, also the text the refinement lowers the loss on.")] = None,
     refine: RefineOpt = None,
-    rounds: RoundsOpt = 8,
+    rounds: RoundsOpt = ROUNDS,
     force: Force = False,
     json_out: Json = False,
 ) -> None:
@@ -108,7 +109,7 @@ def merge_cmd(
         "--calibration", help="With --align: match on activations over this text file (A's tokenizer), "
                               "and refine on it with --refine.")] = None,
     refine: RefineOpt = None,
-    rounds: RoundsOpt = 8,
+    rounds: RoundsOpt = ROUNDS,
     force: Force = False,
     json_out: Json = False,
 ) -> None:
@@ -143,7 +144,7 @@ def barrier_cmd(
         "--calibration", help="Text file the loss is measured on (A's tokenizer).")],
     align: Annotated[bool, typer.Option("--align", help="Also the path to B aligned onto A.")] = False,
     subgroup: SubgroupOpt = "full",
-    rounds: RoundsOpt = 8,
+    rounds: RoundsOpt = ROUNDS,
     refine: RefineOpt = None,
     refine_calibration: Annotated[str | None, typer.Option(
         "--refine-calibration", help="With --refine: the text the refinement lowers the loss on (not "

@@ -207,12 +207,6 @@ def _neurons(a: ModelTensors, b: ModelTensors, i: int) -> torch.Tensor:
     return match_neurons(C.mlp(a, i, _frame(a, i), rows=SKETCH), C.mlp(b, i, _frame(b, i), rows=SKETCH))
 
 
-def _head_writers(m: ModelTensors, i: int) -> torch.Tensor:
-    """Layer ``i``'s output projection per head ``[H, dv, d]``."""
-    s = m.spec(i)
-    return m.weight(m.layout.writers[i][0]).T.reshape(s.n_heads, s.v_head_dim, -1)
-
-
 def fit_permutations(a: ModelTensors, b: ModelTensors, i: int, acts: Pair | None = None
                      ) -> tuple[ModelTensors, torch.Tensor, torch.Tensor]:
     """Layer ``i``'s heads and neurons matched (on gauge-invariant weight features, or on the
@@ -221,7 +215,7 @@ def fit_permutations(a: ModelTensors, b: ModelTensors, i: int, acts: Pair | None
     if acts is None:
         heads, neurons = _heads(a, b, i), _neurons(a, b, i)
     else:
-        heads = head_matching(*acts, i, b.spec(i).n_kv_heads, _head_writers(a, i), _head_writers(b, i))
+        heads = head_matching(*acts, i, b.spec(i).n_kv_heads, a.attention(i).W_O, b.attention(i).W_O)
         neurons = neuron_matching(*acts, i, signed=b.layout.mlp != "gated")
     return neuron_permutation(head_permutation(b, i, heads), i, neurons), heads, neurons
 
