@@ -99,3 +99,41 @@ def test_head_matching_from_outputs_is_the_cosine_of_the_writes(block, frame, mo
     fa, fb = (x.flatten(1) / x.flatten(1).norm(dim=1, keepdim=True) for x in (xa, xb))
     want = act.assign_heads(1 - fa @ fb.T, G)
     assert torch.equal(got, want) and torch.equal(got, shuffle), f"{got.tolist()} vs {want.tolist()}"
+
+
+@pytest.mark.parametrize("family", ["llama-gqa", "llama-tied", "gpt2-untied", "bert"])
+def test_activations_hold_no_head_and_the_table_as_stored(family, tmp_path):
+    """`collect` runs the layers without the head: an untied head's weights are never held, the
+    embedding table is held as the checkpoint stores it (bfloat16 here, 1/4 of float64), and the
+    activations are still the whole float64 model's (its bfloat16 weights converted)."""
+    from attnid.adapters.base import build_hf_model
+    from attnid.checkpoint.load import open_checkpoint
+    from attnid.checkpoint.units import open_units
+    from attnid.whole.align.activations import collect
+    from attnid.whole.layerwise import LayerwiseLM, Segment
+
+    model = build_hf_model(FAMILIES[family], head=True)
+    with torch.no_grad():
+        model.load_state_dict(tiny_model(FAMILIES[family]).state_dict())
+    for p in model.parameters():  # the weights only: position buffers (RoPE's) as they were
+        p.data = p.data.to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "m")
+    for p in model.parameters():
+        p.data = p.data.to(torch.float64)
+    src = open_units(open_checkpoint(tmp_path / "m"))
+    lm = LayerwiseLM(src, torch.float64, eager=True, head=False)
+    inp, out = lm.model.get_input_embeddings(), lm.model.get_output_embeddings()
+    untied = out.weight.data_ptr() != inp.weight.data_ptr()
+    if untied:
+        assert out.weight.is_meta, f"{family}: the untied head is held ({out.weight.dtype})"
+    held = [p for p in lm.model.parameters() if not p.is_meta]
+    assert all(p.dtype == torch.float64 for p in held), f"{family}: {[p.dtype for p in held]}"
+    lm.run(Segment(src, src), [0.0], torch.zeros(1, 3, dtype=torch.long), 1,
+           lambda m, x: m.base_model(input_ids=x))
+    assert inp.weight.dtype == torch.bfloat16, f"{family}: the table is held in {inp.weight.dtype}"
+    ids = torch.randint(0, model.config.vocab_size, (3, 5), generator=torch.Generator().manual_seed(1))
+    states, values, neurons = whole(model, ids, batch=2)
+    got = collect(src, ids, batch=2)
+    errs = [rel(got.stream, states)] + [rel(a, b) for a, b in zip(got.values, values, strict=True)]
+    errs += [rel(a, b) for a, b in zip(got.neurons, neurons, strict=True)]
+    assert max(errs) <= 1e-12, f"{family}: relative errors {errs}"

@@ -22,6 +22,7 @@ The continuous gauges are then fitted on the weights as without calibration.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +30,7 @@ import torch
 
 from attnid.errors import AttnidError
 from attnid.whole.check import Float64Mode
-from attnid.whole.fit.match import assign_heads, assignment
+from attnid.whole.fit.match import assign_heads, assignment, blocked_assignment
 from attnid.whole.fit.rotation import procrustes
 from attnid.whole.fit.source import TensorSource
 from attnid.whole.layerwise import LayerwiseLM, Segment
@@ -88,7 +89,7 @@ def collect(m: Model, ids: torch.Tensor, batch: int = 8) -> Activations:
     time) and keep what the matching reads."""
     src = _source(m)
     lay = src.layout
-    lm = LayerwiseLM(src, torch.float64, eager=True)
+    lm = LayerwiseLM(src, torch.float64, eager=True, head=False)  # no head; the table as stored
     L = len(lay.layers)
     o_in: list[list[torch.Tensor]] = [[] for _ in range(L)]
     d_in: list[list[torch.Tensor]] = [[] for _ in range(L)]
@@ -104,10 +105,10 @@ def collect(m: Model, ids: torch.Tensor, batch: int = 8) -> Activations:
 
     def run(model: Any, x: torch.Tensor) -> None:
         with Float64Mode():  # transformers' norms and softmax in float64 too
-            model(input_ids=x, use_cache=False)
+            model.base_model(input_ids=x, use_cache=False)
 
     lm.run(Segment(src, src), [0.0], ids, batch, run)
-    del lm  # its tables and head
+    del lm  # its tables
     rows = [torch.cat(x) for x in s_in]  # per layer [N, d], the chunks in order
     step = batch * int(ids.shape[1])  # a batch's rows: stacked batch by batch, each batch layer by layer
     states = torch.cat([r[k:k + step] for k in range(0, int(ids.numel()), step) for r in rows])
@@ -164,6 +165,11 @@ def head_matching(a: Activations, b: Activations, layer: int, n_kv_heads: int,
 
 
 def neuron_matching(a: Activations, b: Activations, layer: int, signed: bool) -> torch.Tensor:
-    """``perm [f]`` of B's neurons (correlation; ``signed=False``: its absolute value)."""
-    corr = _standard(a.neurons[layer]).T @ _standard(b.neurons[layer])  # [f, f]
-    return assignment(-(corr if signed else corr.abs()))
+    """``perm [f]`` of B's neurons (correlation; ``signed=False``: its absolute value), the
+    ``[f, f]`` correlations made a block of rows at a time (`blocked_assignment`)."""
+    SA, SB = _standard(a.neurons[layer]), _standard(b.neurons[layer])  # [N, f]
+
+    def cost(X: torch.Tensor, Y: torch.Tensor) -> Callable[[slice], torch.Tensor]:
+        return lambda s: (X[:, s].T @ Y).neg_() if signed else (X[:, s].T @ Y).abs_().neg_()
+
+    return blocked_assignment(cost(SA, SB), cost(SB, SA), SA.shape[1])

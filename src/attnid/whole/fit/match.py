@@ -22,6 +22,8 @@ solver only when the candidates admit no perfect matching.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from attnid.errors import require
@@ -212,30 +214,41 @@ def _sketched(fs: list[tuple[torch.Tensor, torch.Tensor | None]], seed: int = 0
 def match_neurons(A: MLP, B: MLP, tol: float = 0.0, chunk: int = 2048) -> torch.Tensor:
     """``perm [f]``: A's neuron ``j`` is B's neuron ``perm[j]``. The identity when every neuron
     already matches its namesake to rounding (``tol``; costs are never negative, so that is the
-    optimum); else nearest neighbours row by row (chunks of ``chunk`` rows), and the full cost
-    matrix and an assignment only when they clash."""
+    optimum); else `blocked_assignment` on the costs ``chunk`` rows at a time."""
     fa, fb = _neuron_features(A), _neuron_features(B)
     f = A.up.shape[0]
     if float(sum(_diagonal(x, y) for x, y in zip(fa, fb, strict=True)).max()) <= tol**2:
         return torch.arange(f)
     fa, fb = _sketched(fa), _sketched(fb)
-    k = min(CANDIDATES, f) if f > DENSE else 1
-    row_cost, row_to = _cheapest(fa, fb, k, chunk)  # A's neurons: B's cheapest [f, k]
+
+    def cost(x: Features, y: Features) -> Callable[[slice], torch.Tensor]:  # cost(fb, fa): the transpose
+        return lambda rows: sum(_pair_cost(p, q, rows) for p, q in zip(x, y, strict=True))  # type: ignore[return-value]
+
+    return blocked_assignment(cost(fa, fb), cost(fb, fa), f, chunk)
+
+
+def blocked_assignment(rows_of: Callable[[slice], torch.Tensor], cols_of: Callable[[slice], torch.Tensor],
+                       n: int, chunk: int = 2048) -> torch.Tensor:
+    """``perm [n]`` minimising the total of a cost ``[n, n]`` held ``chunk`` rows at a time:
+    ``rows_of(s)`` is ``cost[s]``, ``cols_of(s)`` is ``cost[:, s].T`` (an ``[11008, 11008]``
+    float64 cost is 0.97 GB). Nearest neighbours when they form a bijection; above
+    :data:`DENSE` rows the sparse graph of each row's and each column's :data:`CANDIDATES`
+    cheapest partners; the whole cost and the dense solver only when those fail."""
+    k = min(CANDIDATES, n) if n > DENSE else 1
+    row_cost, row_to = _cheapest(rows_of, n, k, chunk)  # each row's cheapest columns [n, k]
     nearest = row_to[:, 0]
-    if torch.equal(nearest.sort().values, torch.arange(f)):
+    if torch.equal(nearest.sort().values, torch.arange(n)):
         return nearest
-    if f > DENSE:  # each B neuron's cheapest A neurons too (the cost is symmetric), then the sparse graph
-        col_cost, col_from = _cheapest(fb, fa, k, chunk)
+    if n > DENSE:
+        col_cost, col_from = _cheapest(cols_of, n, k, chunk)
         perm = sparse_assignment(row_to, row_cost, col_from, col_cost)
         if perm is not None:
             return perm
-    cost = sum(_pair_cost(x, y, slice(None)) for x, y in zip(fa, fb, strict=True))
-    return dense_assignment(cost)
+    return dense_assignment(torch.cat([rows_of(slice(i, i + chunk)) for i in range(0, n, chunk)]))
 
 
-def _cheapest(fa: Features, fb: Features, k: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each of ``fa``'s neurons' ``k`` cheapest ``fb`` neurons: ``(costs, indices)`` ``[f, k]``,
-    cheapest first, the cost taken ``chunk`` rows at a time."""
-    parts = [sum(_pair_cost(x, y, slice(i, i + chunk)) for x, y in zip(fa, fb, strict=True)
-                 ).topk(k, 1, largest=False) for i in range(0, fa[0][0].shape[0], chunk)]
+def _cheapest(rows_of: Callable[[slice], torch.Tensor], n: int, k: int, chunk: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's ``k`` cheapest columns: ``(costs, indices)`` ``[n, k]``, cheapest first."""
+    parts = [rows_of(slice(i, i + chunk)).topk(k, 1, largest=False) for i in range(0, n, chunk)]
     return torch.cat([p.values for p in parts]), torch.cat([p.indices for p in parts])
