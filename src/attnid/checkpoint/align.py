@@ -217,7 +217,7 @@ def check_refine(refine: int | None, calibration: str | Path | None, subgroup: s
         raise AttnidError(f"--refine: subgroup {subgroup} has no continuous part to refine")
 
 
-def refined_files(a: Checkpoint, ua: Units, ub: Units, al: Alignment, written: Path, dst: Path,
+def refined_files(ua: Units, ub: Units, al: Alignment, written: Path, dst: Path,
                   calibration: torch.Tensor, steps: int, progress: Progress
                   ) -> tuple[Path, float | None, float | None, dict[str, Any]]:
     """The aligned B in ``written`` refined for the barrier (`attnid.whole.align.refine`): the
@@ -225,13 +225,13 @@ def refined_files(a: Checkpoint, ua: Units, ub: Units, al: Alignment, written: P
     ``written`` removed; ``(folder, worst residual, rounding level, the refinement's JSON)``.
     When the refinement does not lower the calibration loss, ``written`` is kept as it is
     (residual and level None: the caller's certificate stands)."""
-    from attnid.checkpoint.evaluate import load_causal_lm
-    from attnid.whole.align.refine import refine
+    from attnid.whole.align.refine_units import refine_units
+    from attnid.whole.layerwise import LayerwiseLM
     from attnid.whole.transforms.element import apply_element
 
     uw = open_units(open_checkpoint(written, purpose="align"), untie=ub.untied is not None)
-    r = refine(load_tensors(ua), load_tensors(uw), load_causal_lm(a), calibration, steps,
-               subgroup=al.subgroup, permuted_stream=al.stream_permutation is not None, progress=progress)
+    r = refine_units(ua, uw, LayerwiseLM(ua), calibration, steps, subgroup=al.subgroup,  # a unit at a time
+                     permuted_stream=al.stream_permutation is not None, progress=progress)
     if not r.kept:
         return written, None, None, r.to_dict()
     tmp = dst.parent / f".{dst.name}.{secrets.token_hex(4)}.tmp"
@@ -275,7 +275,7 @@ def align_checkpoints(model_a: str | Path, model_b: str | Path, out_dir: str | P
     try:
         if refine is not None:
             assert fitted is not None  # check_refine
-            written, w, t, refined = refined_files(a, ua, ub, al, written, dst, fitted, refine, shown)
+            written, w, t, refined = refined_files(ua, ub, al, written, dst, fitted, refine, shown)
             worst, tol = (worst, tol) if w is None or t is None else (w, t)
         shown.line(f"certified against B: worst residual {worst:.2e} (rounding level {tol:.1e})")
         with staged(dst) as tmp:
@@ -340,7 +340,7 @@ def merge_checkpoints(model_a: str | Path, model_b: str | Path, out_dir: str | P
             refined = None
             if refine is not None:
                 assert fitted is not None  # check_refine
-                written, w, _, refined = refined_files(a, ua, ub, al, written, dst, fitted, refine, shown)
+                written, w, _, refined = refined_files(ua, ub, al, written, dst, fitted, refine, shown)
                 worst = worst if w is None else w
             ub = open_units(open_checkpoint(written, purpose="merge"), untie=ub.untied is not None)
             aligned_keys = {"max_residual": worst, "subgroup": subgroup,

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -46,7 +46,7 @@ BATCH = 16  # calibration chunks per step
 class Refined:
     """B moved by the refined element (float64), the element, and how the refinement went."""
 
-    model: ModelTensors
+    model: ModelTensors | None  # None when B is not held whole (`refine_units`)
     element: GroupElement
     parts: tuple[str, ...]
     steps: int
@@ -164,14 +164,10 @@ class PathLoss:
         return sum(parts) / len(ids)
 
 
-def refine(A: ModelTensors, B: ModelTensors, model: nn.Module, calibration: torch.Tensor, steps: int, *,
-           subgroup: str = "full", permuted_stream: bool = False, parts: Sequence[str] | None = None,
-           alphas: Sequence[float] = (0.5,), lr: float = 1e-2, batch: int = BATCH, seed: int = 0,
-           progress: Progress | None = None) -> Refined:
-    """``steps`` Adam steps on the continuous part of ``subgroup`` (or only ``parts``) acting on
-    the aligned ``B`` (float64), lowering the mean loss of the path at ``alphas`` on
-    ``calibration`` (token ids ``[n, T]``, ``batch`` chunks a step); see the module."""
-    start = time.perf_counter()
+def choose_parts(B: ModelTensors, subgroup: str, permuted_stream: bool, parts: Sequence[str] | None,
+                 steps: int) -> tuple[str, ...]:
+    """The parts a refinement of ``steps`` steps moves (``parts``, or every one ``subgroup``
+    allows), refused in one line when there are none or one is not allowed."""
     if steps < 1:
         raise AttnidError(f"--refine {steps}: at least one step")
     allowed = refinable_parts(B, subgroup, permuted_stream)
@@ -181,9 +177,45 @@ def refine(A: ModelTensors, B: ModelTensors, model: nn.Module, calibration: torc
                           f"{', '.join(allowed) or 'nothing'})")
     if not chosen:
         raise AttnidError(f"--refine: subgroup {subgroup} has no continuous part to refine")
+    return chosen
+
+
+def refine(A: ModelTensors, B: ModelTensors, model: nn.Module, calibration: torch.Tensor, steps: int, *,
+           subgroup: str = "full", permuted_stream: bool = False, parts: Sequence[str] | None = None,
+           alphas: Sequence[float] = (0.5,), lr: float = 1e-2, batch: int = BATCH, seed: int = 0,
+           progress: Progress | None = None) -> Refined:
+    """``steps`` Adam steps on the continuous part of ``subgroup`` (or only ``parts``) acting on
+    the aligned ``B`` (float64), lowering the mean loss of the path at ``alphas`` on
+    ``calibration`` (token ids ``[n, T]``, ``batch`` chunks a step); see the module. Both
+    models are held whole: `attnid.whole.align.refine_units` refines checkpoints a unit at a
+    time."""
+    chosen = choose_parts(B, subgroup, permuted_stream, parts, steps)
     theta = Parameters(B, chosen, gl=subgroup == "full")
     loss = PathLoss(model, A, alphas)
-    before = loss.full(B, calibration, batch)
+
+    def step(g: GroupElement, ids: torch.Tensor) -> float:
+        value = loss(apply_element(B, g), ids)
+        value.backward()
+        return float(value)
+
+    r = descend(theta, chosen, steps, calibration, alphas=alphas, lr=lr, batch=batch, seed=seed,
+                progress=progress, step=step,
+                full=lambda g: loss.full(B if g is None else apply_element(B, g), calibration, batch),
+                moved=lambda g: apply_element(B, g))
+    return r if r.kept else replace(r, model=B)
+
+
+def descend(theta: Parameters, chosen: tuple[str, ...], steps: int, calibration: torch.Tensor, *,
+            alphas: Sequence[float], lr: float, batch: int, seed: int, progress: Progress | None,
+            step: Callable[[GroupElement, torch.Tensor], float],
+            full: Callable[[GroupElement | None], float],
+            moved: Callable[[GroupElement], ModelTensors | None]) -> Refined:
+    """The refinement's steps: ``step(g, ids)`` adds the objective's gradient on ``ids`` to
+    ``theta``'s parameters (``g`` made from them) and gives its value; ``full(g)`` is the
+    objective over all of ``calibration`` (None: B as aligned); ``moved(g)`` is B moved by
+    ``g``, kept only when that lowers the objective."""
+    start = time.perf_counter()
+    before = full(None)
     opt = torch.optim.Adam(theta.parameters(), lr=lr)
     order = torch.randperm(len(calibration), generator=torch.Generator().manual_seed(seed))
     shown = progress if progress is not None else Progress(enabled=False)
@@ -195,20 +227,18 @@ def refine(A: ModelTensors, B: ModelTensors, model: nn.Module, calibration: torc
             for k in range(steps):
                 pick = order[(torch.arange(batch) + k * batch) % len(order)]
                 opt.zero_grad()
-                value = loss(apply_element(B, theta.element()), calibration[pick])
-                value.backward()
+                trace.append(step(theta.element(), calibration[pick]))
                 opt.step()
-                trace.append(float(value))
                 bar(k + 1, trace[-1])
         finally:
             bar.close()  # type: ignore[attr-defined]
     with torch.no_grad():
         g = theta.element()
-        moved = apply_element(B, g)
-    after = loss.full(moved, calibration, batch)
-    kept = after < before
+        after = full(g)
+        kept = after < before
+        model = moved(g) if kept else None
     shown.line(f"refined {', '.join(chosen)} in {steps} steps: calibration loss at alpha "
                f"{', '.join(f'{t:g}' for t in alphas)} {before:.4f} -> {after:.4f}"
                + ("" if kept else " (not lower: B kept as aligned)"))
-    return Refined(moved if kept else B, g if kept else GroupElement(), chosen, steps, tuple(alphas), before,
+    return Refined(model, g if kept else GroupElement(), chosen, steps, tuple(alphas), before,
                    after, kept, time.perf_counter() - start, trace)
