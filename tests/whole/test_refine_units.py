@@ -98,31 +98,63 @@ def test_steps_are_the_whole_refinements(family):
 
 class Counted(SplitSource):
     """A model in memory handed out a unit at a time (held in float32, so that each float64
-    load is a copy), noting at each load how many layer units of both models are still alive
-    (any of their tensors)."""
+    load is a copy), noting at each load how many of the layer units it handed out are still
+    alive (any of their tensors), and counting single tensors read."""
 
-    def __init__(self, m: ModelTensors, units: list[list[weakref.ref]], most: list[int]) -> None:
+    def __init__(self, m: ModelTensors) -> None:
         super().__init__(ModelTensors(m.layout, {n: t.float() for n, t in m.tensors.items()}, m.config))
-        self.units, self.most, self.loads = units, most, 0
+        self.units: list[list[weakref.ref]] = []
+        self.most = self.loads = self.reads = 0
 
     def load(self, unit: int, dtype: torch.dtype | None = None, *, check: bool = True) -> ModelTensors:
         m = super().load(unit, dtype, check=check)
         if 1 <= unit <= len(self.layout.layers):
             self.loads += 1
             self.units.append([weakref.ref(t) for t in m.tensors.values()])
-            alive = sum(any(r() is not None for r in refs) for refs in self.units)
-            self.most[0] = max(self.most[0], alive)
+            self.most = max(self.most, sum(any(r() is not None for r in refs) for refs in self.units))
         return m
 
+    def tensor(self, name: str, *, check: bool = True) -> torch.Tensor:
+        self.reads += 1
+        return super().tensor(name, check=check)
 
-def test_one_layer_unit_of_each_model_at_a_time():
-    """Six layers: a whole model would hold 12 layer units of the two models at once."""
+
+def test_one_layer_unit_at_a_time():
+    """Six layers: B is moved one layer unit at a time, each let go before the next is loaded,
+    and A is read a tensor at a time (a whole model would be 6 units of each)."""
     _, A, al = pair("llama-gqa", num_hidden_layers=6)
     ids = torch.randint(0, A.config.vocab_size, (4, 6), generator=torch.Generator().manual_seed(0))
-    units: list[list[weakref.ref]] = []
-    most = [0]
-    a, b = Counted(as_tensors(A), units, most), Counted(al.model, units, most)
+    a, b = Counted(as_tensors(A)), Counted(al.model)
     refine_units(a, b, LayerwiseLM(a, torch.float64, eager=True), ids, 2, batch=4,
                  permuted_stream=al.stream_permutation is not None)
-    assert a.loads >= 2 * 6 * 2 and b.loads >= 2 * 6 * 2, (a.loads, b.loads)  # forward and backward
-    assert most[0] <= 2, f"{most[0]} layer units alive at once (one of A and one of B expected)"
+    assert b.loads >= 2 * 6 * 2, b.loads  # each step: every layer forward, then backward
+    assert b.most == 1, f"{b.most} of B's layer units alive at once"
+    assert a.loads == 0 and a.reads >= 2 * 6 * 2 * 9, (a.loads, a.reads)  # 9 tensors a Llama layer
+
+
+@pytest.mark.filterwarnings("ignore:Converting a tensor with requires_grad")
+def test_a_float32_graph_gives_every_gradient():
+    """bfloat16 checkpoints move their units in float32, the graph with them: at the first step
+    (the identity, where the forward without a graph has just applied the same rotation) every
+    parameter, the stream rotation included, gets the float64 graph's gradient to float32
+    rounding."""
+    _, A, al = pair("llama-gqa")
+
+    def bf16(m: ModelTensors) -> ModelTensors:
+        return ModelTensors(m.layout, {n: t.to(torch.bfloat16) for n, t in m.tensors.items()}, m.config)
+
+    a, b = SplitSource(bf16(as_tensors(A))), SplitSource(bf16(al.model))
+    parts = refinable_parts(al.model, "full", al.stream_permutation is not None)
+    assert "rotation" in parts, parts
+    ids = torch.randint(0, A.config.vocab_size, (3, 6), generator=torch.Generator().manual_seed(0))
+    grads = {}
+    for dtype in (torch.float32, torch.float64):
+        theta = Parameters(al.model, parts, gl=True)
+        lm = LayerwiseLM(a, torch.float64, eager=True)
+        UnitPathLoss(lm, a, b, ALPHAS, dtype).backward(theta.element(), ids)
+        grads[dtype] = {n: p.grad for n, p in theta.named_parameters()}
+    missing = [n for n, g in grads[torch.float32].items() if g is None]
+    assert not missing, f"no gradient for {missing} from the float32 graph"
+    errs = {n: rel(grads[torch.float32][n], g) for n, g in grads[torch.float64].items()}
+    worst = max(errs, key=errs.__getitem__)
+    assert errs[worst] <= 1e-4, f"gradient of {worst}: {errs[worst]:.1e} from the float64 graph's"

@@ -127,9 +127,11 @@ class UnitPathLoss:
     def _mixed(self, unit: int, g: GroupElement, t: float, names: Sequence[str]) -> Tensors:
         """The weights ``names`` at point ``t``, from ``unit`` of A and of B moved by ``g`` (in
         the compute dtype), in the model's dtype."""
-        ma = self.a.load(unit, self.dtype)
-        mb = apply_element(self.b.load(unit, self.dtype), g)
-        return {n: ((1 - t) * ma.tensors[n] + t * mb.tensors[n]).to(self.lm.dtype) for n in names}
+        moved = dict(apply_element(self.b.load(unit, self.dtype), g).tensors)
+        out = {}
+        for n in names:  # A a tensor at a time, and each of B's let go once mixed
+            out[n] = ((1 - t) * self.a.tensor(n).to(self.dtype) + t * moved.pop(n)).to(self.lm.dtype)
+        return out
 
     def _rest(self, g: GroupElement, t: float, units: Sequence[int] | None = None) -> Tensors:
         """The tables, final norm and head at ``t`` (those of ``units``; None: all)."""

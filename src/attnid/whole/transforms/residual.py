@@ -54,7 +54,7 @@ def check_orthogonal(Q: torch.Tensor, lay: Layout, d: int) -> torch.Tensor:
 
 
 Rotate = Callable[[torch.Tensor], torch.Tensor]  # X [..., d] -> X Q
-_last: list[tuple[weakref.ref, int, bool, torch.Tensor, Rotate]] = []  # the rotation checked last
+_last: list[tuple[weakref.ref, int, bool, bool]] = []  # the rotation checked last: Hadamard or not
 
 
 def _verified(Q: torch.Tensor, lay: Layout) -> tuple[torch.Tensor, Rotate]:
@@ -62,16 +62,20 @@ def _verified(Q: torch.Tensor, lay: Layout) -> tuple[torch.Tensor, Rotate]:
     Kronecker product of small factors (`attnid.whole.transforms.orthogonal.kron_right`: a
     checkpoint rewritten with R1 = Hadamard costs a few passes over each weight instead of a
     ``d x d`` product), else the product. The last rotation checked is remembered (the same
-    tensor, unchanged since), so a checkpoint rewritten unit by unit checks it once."""
+    tensor, unchanged since), so a checkpoint rewritten unit by unit checks it once; what is
+    applied is made from ``Q`` at each call, so that a ``Q`` with a gradient keeps it whether
+    the check ran with gradients on or off (`attnid.whole.align.refine_units` runs both)."""
     layer_norm = lay.norm == "layer"
-    if _last:
-        ref, version, ln, Q64, rotate = _last[0]
-        if ref() is Q and Q._version == version and (ln or not layer_norm):
-            return Q64, rotate
-    Q64 = check_orthogonal(Q, lay, Q.shape[0])
-    d = Q64.shape[0]
+    d = Q.shape[0]
     factors = hadamard_factors(d)
-    if factors is not None and torch.equal(Q64, hadamard(d)):
+    hit = _last and _last[0][0]() is Q and Q._version == _last[0][1] and (_last[0][2] or not layer_norm)
+    if hit:
+        Q64, is_hadamard = Q.to(torch.float64), _last[0][3]
+    else:
+        Q64 = check_orthogonal(Q, lay, d)
+        is_hadamard = factors is not None and torch.equal(Q64, hadamard(d))
+        _last[:] = [(weakref.ref(Q), Q._version, layer_norm, is_hadamard)]
+    if is_hadamard and factors is not None:
         def rotate(X: torch.Tensor) -> torch.Tensor:
             return kron_right(X, factors, d**-0.5)
     else:
@@ -81,7 +85,6 @@ def _verified(Q: torch.Tensor, lay: Layout) -> tuple[torch.Tensor, Rotate]:
             if X.dtype not in cast:
                 cast[X.dtype] = Q64.to(X.dtype)
             return X @ cast[X.dtype]
-    _last[:] = [(weakref.ref(Q), Q._version, layer_norm, Q64, rotate)]
     return Q64, rotate
 
 
