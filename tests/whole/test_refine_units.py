@@ -133,11 +133,12 @@ def test_one_layer_unit_at_a_time():
 
 
 @pytest.mark.filterwarnings("ignore:Converting a tensor with requires_grad")
-def test_a_float32_graph_gives_every_gradient():
+@pytest.mark.parametrize("where", ["the identity", "a random element"])
+def test_a_float32_graph_gives_every_gradient(where):
     """bfloat16 checkpoints move their units in float32, the graph with them: at the first step
-    (the identity, where the forward without a graph has just applied the same rotation) every
-    parameter, the stream rotation included, gets the float64 graph's gradient to float32
-    rounding."""
+    (the identity, where the forward without a graph has just applied the same rotation) and
+    away from it, the objective and every parameter's gradient, the stream rotation's included,
+    are the float64 graph's to float32 rounding."""
     _, A, al = pair("llama-gqa")
 
     def bf16(m: ModelTensors) -> ModelTensors:
@@ -147,14 +148,21 @@ def test_a_float32_graph_gives_every_gradient():
     parts = refinable_parts(al.model, "full", al.stream_permutation is not None)
     assert "rotation" in parts, parts
     ids = torch.randint(0, A.config.vocab_size, (3, 6), generator=torch.Generator().manual_seed(0))
-    grads = {}
+    values, grads = {}, {}
     for dtype in (torch.float32, torch.float64):
         theta = Parameters(al.model, parts, gl=True)
-        lm = LayerwiseLM(a, torch.float64, eager=True)
-        UnitPathLoss(lm, a, b, ALPHAS, dtype).backward(theta.element(), ids)
+        if where != "the identity":
+            with torch.no_grad():
+                gen = torch.Generator().manual_seed(3)
+                for p in theta.parameters():
+                    p.copy_(0.05 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+        loss = UnitPathLoss(LayerwiseLM(a, torch.float64, eager=True), a, b, ALPHAS, dtype)
+        values[dtype] = float(loss.value(theta.element(), ids))
+        loss.backward(theta.element(), ids)
         grads[dtype] = {n: p.grad for n, p in theta.named_parameters()}
     missing = [n for n, g in grads[torch.float32].items() if g is None]
-    assert not missing, f"no gradient for {missing} from the float32 graph"
+    assert not missing, f"{where}: no gradient for {missing} from the float32 graph"
+    assert abs(values[torch.float32] - values[torch.float64]) <= 1e-5 * values[torch.float64], values
     errs = {n: rel(grads[torch.float32][n], g) for n, g in grads[torch.float64].items()}
     worst = max(errs, key=errs.__getitem__)
-    assert errs[worst] <= 1e-4, f"gradient of {worst}: {errs[worst]:.1e} from the float64 graph's"
+    assert errs[worst] <= 1e-4, f"{where}: gradient of {worst}: {errs[worst]:.1e} from the float64 graph's"

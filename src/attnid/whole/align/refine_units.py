@@ -57,25 +57,22 @@ def skeleton(src: Any) -> ModelTensors:
     return ModelTensors(lay, out, src.config)
 
 
-def _cast(g: GroupElement, dtype: torch.dtype, leaves: bool = False
-          ) -> tuple[GroupElement, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """``g`` with its tensors in ``dtype`` and, with ``leaves``, each a fresh leaf (its gradient
-    kept); the (tensor, new tensor) pairs."""
+def _leaves(g: GroupElement) -> tuple[GroupElement, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """``g`` with each tensor a fresh leaf (its gradient kept; in its own dtype: the transforms
+    check the maps in float64 and cast them to each weight's dtype), and the (tensor, leaf)
+    pairs."""
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def new(t: torch.Tensor | None) -> torch.Tensor | None:
+    def leaf(t: torch.Tensor | None) -> torch.Tensor | None:
         if t is None:
             return None
-        x = t.detach().to(dtype)
-        if leaves:
-            x = x.clone() if x.data_ptr() == t.data_ptr() else x
-            x.requires_grad_()
+        x = t.detach().clone().requires_grad_()
         pairs.append((t, x))
         return x
 
-    layers = tuple(replace(le, qk=new(le.qk), vo=new(le.vo), mlp=new(le.mlp)) for le in g.layers)
-    gains = {p: new(s) for p, s in g.gains.items()}
-    return GroupElement(rotation=new(g.rotation), gains=gains, layers=layers), pairs  # type: ignore[arg-type]
+    layers = tuple(replace(le, qk=leaf(le.qk), vo=leaf(le.vo), mlp=leaf(le.mlp)) for le in g.layers)
+    gains = {p: leaf(s) for p, s in g.gains.items()}
+    return GroupElement(rotation=leaf(g.rotation), gains=gains, layers=layers), pairs  # type: ignore[arg-type]
 
 
 class _Stop(Exception):  # noqa: N818  (not an error: the forward's work is done at the first slot)
@@ -217,14 +214,13 @@ class UnitPathLoss:
     def value(self, g: GroupElement, ids: torch.Tensor) -> torch.Tensor:
         """The objective on ``ids`` (no gradient)."""
         with torch.no_grad():
-            g = _cast(g, self.dtype)[0]
             return torch.stack([self._point(g, t, ids, grad=False) for t in self.alphas]).sum()
 
     def backward(self, g: GroupElement, ids: torch.Tensor) -> float:
         """The objective on ``ids``, its gradient added to the parameters ``g`` was made from."""
-        leafy, pairs = _cast(g, self.dtype, leaves=True)
+        leafy, pairs = _leaves(g)
         total = sum(float(self._point(leafy, t, ids, grad=True)) for t in self.alphas)
-        made = [(t, x.grad.to(t.dtype)) for t, x in pairs if x.grad is not None and t.requires_grad]
+        made = [(t, x.grad) for t, x in pairs if x.grad is not None and t.requires_grad]
         if made:
             torch.autograd.backward([t for t, _ in made], [d for _, d in made])
         return total
