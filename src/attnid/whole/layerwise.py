@@ -25,7 +25,8 @@ float32 can round differently from the whole model's batches.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -98,6 +99,29 @@ class _Gate(Generic[R]):
 
 
 _CURRENT = threading.local()
+
+
+class _Inline:
+    """Stands where a forward's gate stands: each slot runs ``run(index, args, kwargs)`` at once."""
+
+    def __init__(self, run: Callable[[int, tuple, dict], Any]) -> None:
+        self.run = run
+
+    def wait_at(self, index: int) -> Callable[..., Any]:
+        return lambda *args, **kwargs: self.run(index, args, kwargs)
+
+
+@contextmanager
+def inline(run: Callable[[int, tuple, dict], Any]) -> Iterator[None]:
+    """Within it, a forward of this thread through a `LayerwiseLM`'s model runs
+    ``run(index, args, kwargs)`` at each slot, there and then (one forward, no threads:
+    `attnid.whole.align.refine_units` runs each layer with a graph or without)."""
+    before = getattr(_CURRENT, "gate", None)
+    _CURRENT.gate = _Inline(run)
+    try:
+        yield
+    finally:
+        _CURRENT.gate = before
 
 
 class _CancelledError(Exception):

@@ -29,7 +29,7 @@ bfloat16 and float16 checkpoints) and its graph, and the kept states.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -37,10 +37,9 @@ from torch import nn
 
 from attnid.errors import AttnidError
 from attnid.progress import Progress
-from attnid.whole import layerwise
 from attnid.whole.align.refine import BATCH, Parameters, Refined, choose_parts, descend
 from attnid.whole.fit.fitter import compute_dtype
-from attnid.whole.layerwise import LayerwiseLM
+from attnid.whole.layerwise import LayerwiseLM, inline
 from attnid.whole.transforms.element import GroupElement, apply_element
 from attnid.whole.transforms.state import ModelTensors
 
@@ -80,16 +79,6 @@ class _Stop(Exception):  # noqa: N818  (not an error: the forward's work is done
 
     def __init__(self, x: torch.Tensor) -> None:
         self.x = x
-
-
-@dataclass
-class _Driver:
-    """Stands where `layerwise` puts a forward's gate: each slot runs its layer at once."""
-
-    run: Callable[[int, tuple, dict], Any]
-
-    def wait_at(self, index: int) -> Callable[..., Any]:
-        return lambda *args, **kwargs: self.run(index, args, kwargs)
 
 
 def _hidden(args: tuple, kwargs: dict) -> torch.Tensor:
@@ -147,13 +136,9 @@ class UnitPathLoss:
                  ) -> torch.Tensor:
         """The loss of transformers' forward with the tables and head ``rest`` and each slot's
         work ``run(layer, args, kwargs)``."""
-        before = getattr(layerwise._CURRENT, "gate", None)
-        layerwise._CURRENT.gate = _Driver(run)
-        try:
+        with inline(run):
             logits = torch.func.functional_call(self.lm.model, rest, (),
                                                 {"input_ids": ids, "use_cache": False}).logits
-        finally:
-            layerwise._CURRENT.gate = before
         return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).double(),
                                            ids[:, 1:].reshape(-1)) / len(self.alphas)
 
