@@ -82,12 +82,29 @@ def _bad_cases(p: dict, tmp: Path) -> dict[str, tuple[list, str]]:
                                   "--refine-calibration", tmp / "no.txt"], "--refine-calibration"),
         "barrier-no-align": (["barrier", a, b, "--calibration", text, "--refine", "3",
                               "--refine-calibration", text], "--align"),
+        "masked-lm": (["align", *_masked_pair(tmp), out, "--calibration", text, "--refine", "3"],
+                      "causal language model"),
+        "merge-masked-lm": (["merge", *_masked_pair(tmp), out, "--align", "--calibration", text,
+                             "--refine", "3"], "causal language model"),
     }
+
+
+def _masked_pair(tmp: Path) -> tuple[Path, Path]:
+    """Where `_write_masked_pair` writes two tiny BERT masked language models."""
+    return tmp / "bert-a", tmp / "bert-b"
+
+
+def _write_masked_pair(tmp: Path) -> None:
+    from attnid.testing.catalogue import TRANSFORM_FAMILIES
+    from attnid.whole.check import tiny_model
+
+    for seed, d in enumerate(_masked_pair(tmp)):
+        tiny_model(TRANSFORM_FAMILIES["bert"], seed=seed).float().save_pretrained(d)
 
 
 CASES = ["zero-steps", "no-calibration", "missing-calibration", "permutations", "merge-no-align",
          "merge-no-calibration", "merge-negative", "barrier-no-text", "barrier-missing-text",
-         "barrier-no-align"]
+         "barrier-no-align", "masked-lm", "merge-masked-lm"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -99,6 +116,9 @@ def test_refine_bad_input_one_error_line(case, pairs, tmp_path, capsys, monkeypa
 
     monkeypatch.setattr(aligner, "align_sources", no_work)
     args, words = _bad_cases(pairs, tmp_path)[case]
+    if "masked" in case:
+        _write_masked_pair(tmp_path)
+        capsys.readouterr()
     before = {d: fingerprint(d) for d in (pairs["llama"]["a"], pairs["llama"]["c"])}
     code = main([str(x) for x in args])
     assert_one_error(code, capsys.readouterr().err, "", [words])

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from attnid.checkpoint.evaluate import check_causal
 from attnid.checkpoint.load import Checkpoint, open_checkpoint
 from attnid.checkpoint.output import (
     check_out_dir,
@@ -220,7 +221,7 @@ def check_refine(refine: int | None, calibration: str | Path | None, subgroup: s
 def refined_files(ua: Units, ub: Units, al: Alignment, written: Path, dst: Path,
                   calibration: torch.Tensor, steps: int, progress: Progress
                   ) -> tuple[Path, float | None, float | None, dict[str, Any]]:
-    """The aligned B in ``written`` refined for the barrier (`attnid.whole.align.refine`): the
+    """The aligned B in ``written`` refined for the barrier (`attnid.whole.align.refine_units`): the
     refined B written into a fresh temporary sibling of ``dst`` and certified against B, and
     ``written`` removed; ``(folder, worst residual, rounding level, the refinement's JSON)``.
     When the refinement does not lower the calibration loss, ``written`` is kept as it is
@@ -255,14 +256,17 @@ def align_checkpoints(model_a: str | Path, model_b: str | Path, out_dir: str | P
                       end_to_end_max_bytes: int = 2 * 1024**3, progress: Progress | None = None
                       ) -> dict[str, Any]:
     """Write B aligned onto A into ``out_dir``, certified; returns its JSON (see the module).
-    ``refine``: that many steps of `attnid.whole.align.refine` on the ``calibration`` text
-    after the matching (the output certified against B again). ``rounds``: at most this many
-    refinements of the stream, each one more pass over both checkpoints."""
+    ``refine``: that many steps of `attnid.whole.align.refine_units` on the ``calibration`` text
+    after the matching (causal language models; the output certified against B again).
+    ``rounds``: at most this many refinements of the stream, each one more pass over both
+    checkpoints."""
     start = time.perf_counter()
     check_subgroup(subgroup)
     check_rounds(rounds)
     check_refine(refine, calibration, subgroup)
     a, b, ua, ub = open_pair(model_a, model_b, purpose="align")
+    if refine is not None:
+        check_causal(a)  # the refinement lowers a next-token loss
     apart(Path(out_dir).resolve(), a, "A")
     _, dst = check_out_dir(b.root, out_dir, force)
     calib, fitted = calibration_ids(a, calibration, refine)
@@ -271,6 +275,7 @@ def align_checkpoints(model_a: str | Path, model_b: str | Path, out_dir: str | P
     if calib is not None:  # both models run on the tokens, a layer at a time
         acts = activations(ua, ub, subgroup, calib, shown.line)
     al, written, worst, tol = aligned_files(ua, ub, dst, subgroup, acts, shown.line, rounds)
+    acts = None  # the activations' memory given back before the refinement's is taken
     refined: dict[str, Any] | None = None
     try:
         if refine is not None:
@@ -326,6 +331,8 @@ def merge_checkpoints(model_a: str | Path, model_b: str | Path, out_dir: str | P
         raise AttnidError("--calibration and --refine act on the alignment: add --align")
     check_refine(refine, calibration, subgroup)
     a, b, ua, ub = open_pair(model_a, model_b, purpose="merge")
+    if refine is not None:
+        check_causal(a)  # the refinement lowers a next-token loss
     apart(Path(out_dir).resolve(), b, "B")
     _, dst = check_out_dir(a.root, out_dir, force)
     calib, fitted = calibration_ids(a, calibration, refine)
@@ -337,6 +344,7 @@ def merge_checkpoints(model_a: str | Path, model_b: str | Path, out_dir: str | P
             acts = None if calib is None else activations(ua, ub, subgroup, calib, shown.line)
             al, written, worst, _ = aligned_files(ua, ub, dst, subgroup, acts, progress=shown.line,
                                                   rounds=rounds)
+            acts = None  # given back before the refinement's memory is taken
             refined = None
             if refine is not None:
                 assert fitted is not None  # check_refine

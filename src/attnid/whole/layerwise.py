@@ -197,8 +197,9 @@ class LayerwiseLM:
     or ``eager``) with its decoder layers run one at a time (see the module).
 
     ``head=False`` is for work that reads the layers only (``model.base_model``, at the ends of a
-    path): the output head is not kept (an untied one's weights go back to the meta device) and
-    a plain ``nn.Embedding`` table is held as the source gives it, its rows converted to
+    path): the output projection is not kept (an untied one's weights go back to the meta device;
+    the rest of a head, BERT's transform, stays) and a plain ``nn.Embedding`` table is held as
+    the source gives it, its rows converted to
     ``dtype`` as they are looked up, which is the same as converting the table first. At 7B
     widths in float64 that holds 0.26 GB (bfloat16) of the 2.1 GB the table and head take."""
 
@@ -247,6 +248,7 @@ class LayerwiseLM:
         missing = [n for n, p in params.items() if p.data_ptr() not in given]  # nor tied to what it gives
         if missing:
             raise AttnidError(f"internal: no tensor for {missing[0]} in the checkpoint's tables and head")
+        self.dropped = False  # drop_rest: each forward is handed the tables and head
         self.table: tuple[str, nn.Embedding] | None = None  # held as the source gives it (head=False)
         if not head:
             self._narrow()
@@ -258,6 +260,7 @@ class LayerwiseLM:
         for p in self.model.parameters():
             p.data = p.data.new_empty(0)
         self.rest = {n: t.new_empty(0) for n, t in self.rest.items()}
+        self.dropped = True
 
     def _narrow(self) -> None:
         """Drop an untied head and hold a plain embedding table as the source stores it."""
@@ -277,6 +280,8 @@ class LayerwiseLM:
 
     def _set_rest(self, path: Segment, t: float) -> None:
         """The tables, final norm and head at point ``t``."""
+        if self.dropped:
+            raise AttnidError("internal: this model's tables and head were dropped (drop_rest)")
         path.put(self.rest, t)
         if self.table is not None:
             if t not in (0.0, 1.0):

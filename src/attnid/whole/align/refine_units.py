@@ -3,8 +3,9 @@
 
 The objective and its gradient are the whole model's (`refine.PathLoss` through transformers'
 own forward), computed one unit at a time over A's and B's units as they are read. Per step
-and path point ``t`` (the weights ``(1 - t) A + t g(B)``, mixed in the compute dtype and
-rounded to the model's dtype as `PathLoss` mixes them):
+and path point ``t`` (the weights ``(1 - t) A + t g(B)``, mixed in the compute dtype, float64
+as `PathLoss` mixes them or float32 for bfloat16 and float16 checkpoints, then rounded to the
+model's dtype):
 
 1. **Forward**, without a graph: transformers' forward of the model built without its decoder
    layers (`attnid.whole.layerwise.LayerwiseLM`, its own tables and head freed: each forward
@@ -21,9 +22,10 @@ rounded to the model's dtype as `PathLoss` mixes them):
 
 The gradients reach ``g``'s tensors (the stream rotation, each layer's maps, the gains) held as
 leaves, and from them the refinement's parameters in one more backward, so the element is made
-once per step. Each step reads every unit twice per point, the tables and head three times;
-what is held at once is one unit of each model (in the compute dtype: float64, float32 for
-bfloat16 and float16 checkpoints) and its graph, and the kept states.
+once per step. Each step reads every layer unit twice per point (forward, backward) and the
+tables and head twice (a tied table three times); what is held at once is B's unit being moved
+and its graph (in the compute dtype), A read a tensor at a time, the tables and head at ``t``
+(in the model's dtype, through the forward and the head's part), and the kept states.
 """
 
 from __future__ import annotations
@@ -128,9 +130,17 @@ class UnitPathLoss:
         return out
 
     def _layer(self, i: int, g: GroupElement, t: float) -> Tensors:
+        """Layer ``i``'s weights at ``t``, by their names in the layer, each from its own unit
+        (a post-LN layer's output norm is in the next unit, with its first reader)."""
         prefix = self.lm.prefixes[i]
-        names = [n for n, u in self.a.unit_of.items() if u == i + 1 and n.startswith(prefix)]
-        return {n[len(prefix):]: w for n, w in self._mixed(i + 1, g, t, names).items()}
+        names = [prefix + n for n, _ in self.lm.layers[i].named_parameters()]
+        missing = [n for n in names if n not in self.a.unit_of]
+        if missing:
+            raise AttnidError(f"internal: no tensor {missing[0]} for layer {i}")
+        out: Tensors = {}
+        for unit in sorted({self.a.unit_of[n] for n in names}):
+            out |= self._mixed(unit, g, t, [n for n in names if self.a.unit_of[n] == unit])
+        return {n[len(prefix):]: w for n, w in out.items()}
 
     def _forward(self, rest: Tensors, ids: torch.Tensor, run: Callable[[int, tuple, dict], Any]
                  ) -> torch.Tensor:
@@ -151,23 +161,29 @@ class UnitPathLoss:
         kept: list[tuple[tuple, dict]] = []
         outs: list[Any] = []
 
+        ran = [0]
+
         def run(i: int, args: tuple, kwargs: dict) -> Any:
             a, kw = _with_hidden(args, kwargs, _hidden(args, kwargs).detach())
-            kept.append((a, kw))
-            outs.append(torch.func.functional_call(lm.layers[i], self._layer(i, g, t), a, kw))
-            return outs[-1]
+            out = torch.func.functional_call(lm.layers[i], self._layer(i, g, t), a, kw)
+            ran[0] += 1
+            if grad:  # what the backward starts from (the output is the next layer's input)
+                kept.append((a, kw))
+                outs.append(out)
+            return out
 
         with torch.no_grad():
             rest = self._rest(g, t)
             loss = self._forward(rest, ids, run)
-        if len(kept) != L:
-            raise AttnidError(f"internal: the forward ran {len(kept)} of {L} layers")
+        if ran[0] != L:
+            raise AttnidError(f"internal: the forward ran {ran[0]} of {L} layers")
         if not grad:
             return loss
-        tail = {unit for n, unit in self.a.unit_of.items() if n in rest and (unit != 0 or self.a.layout.tied)}
-        rest |= self._rest(g, t, sorted(tail))  # the final norm and head, now as functions of g
+        units = {self.a.unit_of[n] for n in rest}
+        tail = sorted(units - {0} if not self.a.layout.tied else units)  # the head reads a tied table
         top = _first(outs[-1]).detach().requires_grad_()
         with torch.enable_grad():
+            rest |= self._rest(g, t, tail)  # the final norm and head, now as functions of g
             head = self._forward(rest, ids, lambda i, _a, _kw: outs[i] if i < L - 1 else _like(outs[i], top))
             head.backward()
         up = top.grad
@@ -188,7 +204,7 @@ class UnitPathLoss:
 
         with torch.enable_grad():
             try:
-                self._forward(self._rest(g, t, [0]), ids, stop)
+                self._forward(self._rest(g, t, sorted(units - {L + 1})), ids, stop)
             except _Stop as s:
                 if s.x.requires_grad:  # g moves the tables: their part
                     s.x.backward(up)
