@@ -121,26 +121,26 @@ class UnitPathLoss:
             out[n] = ((1 - t) * self.a.tensor(n).to(self.dtype) + t * moved.pop(n)).to(self.lm.dtype)
         return out
 
-    def _rest(self, g: GroupElement, t: float, units: Sequence[int] | None = None) -> Tensors:
-        """The tables, final norm and head at ``t`` (those of ``units``; None: all)."""
+    def _at(self, names: Sequence[str], g: GroupElement, t: float) -> Tensors:
+        """The weights ``names`` at ``t``, each from its own unit (a post-LN layer's output norm
+        is in the next unit, with its first reader)."""
         out: Tensors = {}
-        for unit in sorted({self.a.unit_of[n] for n in self.lm.rest}):
-            if units is None or unit in units:
-                out |= self._mixed(unit, g, t, [n for n in self.lm.rest if self.a.unit_of[n] == unit])
+        for unit in sorted({self.a.unit_of[n] for n in names}):
+            out |= self._mixed(unit, g, t, [n for n in names if self.a.unit_of[n] == unit])
         return out
 
+    def _rest(self, g: GroupElement, t: float, units: Sequence[int] | None = None) -> Tensors:
+        """The tables, final norm and head at ``t`` (those of ``units``; None: all)."""
+        return self._at([n for n in self.lm.rest if units is None or self.a.unit_of[n] in units], g, t)
+
     def _layer(self, i: int, g: GroupElement, t: float) -> Tensors:
-        """Layer ``i``'s weights at ``t``, by their names in the layer, each from its own unit
-        (a post-LN layer's output norm is in the next unit, with its first reader)."""
+        """Layer ``i``'s weights at ``t``, by their names in the layer."""
         prefix = self.lm.prefixes[i]
         names = [prefix + n for n, _ in self.lm.layers[i].named_parameters()]
         missing = [n for n in names if n not in self.a.unit_of]
         if missing:
             raise AttnidError(f"internal: no tensor {missing[0]} for layer {i}")
-        out: Tensors = {}
-        for unit in sorted({self.a.unit_of[n] for n in names}):
-            out |= self._mixed(unit, g, t, [n for n in names if self.a.unit_of[n] == unit])
-        return {n[len(prefix):]: w for n, w in out.items()}
+        return {n[len(prefix):]: w for n, w in self._at(names, g, t).items()}
 
     def _forward(self, rest: Tensors, ids: torch.Tensor, run: Callable[[int, tuple, dict], Any]
                  ) -> torch.Tensor:
@@ -160,7 +160,6 @@ class UnitPathLoss:
         lm, L = self.lm, self.L
         kept: list[tuple[tuple, dict]] = []
         outs: list[Any] = []
-
         ran = [0]
 
         def run(i: int, args: tuple, kwargs: dict) -> Any:
