@@ -185,8 +185,6 @@ def aligned_files(ua: Units, ub: Units, dst: Path, subgroup: str, acts: Any = No
     """B aligned onto A, streamed (at most ``rounds`` refinements of the stream), written into a
     temporary sibling of ``dst`` and certified against B: ``(alignment, the written folder,
     worst residual, rounding level)``; the caller removes the folder."""
-    from attnid.whole.fit.fitter import compute_dtype
-
     al, tmp = align_sources(ua, ub, Written(ub, dst), subgroup=subgroup, acts=acts,  # type: ignore[arg-type]
                             dtype=compute_dtype(ub.dtype()), progress=progress, rounds=rounds)
     try:

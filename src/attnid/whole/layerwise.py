@@ -199,9 +199,9 @@ class LayerwiseLM:
     ``head=False`` is for work that reads the layers only (``model.base_model``, at the ends of a
     path): the output projection is not kept (an untied one's weights go back to the meta device;
     the rest of a head, BERT's transform, stays) and a plain ``nn.Embedding`` table is held as
-    the source gives it, its rows converted to
-    ``dtype`` as they are looked up, which is the same as converting the table first. At 7B
-    widths in float64 that holds 0.26 GB (bfloat16) of the 2.1 GB the table and head take."""
+    the source gives it, its rows converted to ``dtype`` as they are looked up, which is the
+    same as converting the table first. At 7B widths in float64 that holds 0.26 GB (bfloat16)
+    of the 2.1 GB the table and head take."""
 
     def __init__(self, units: Source, dtype: torch.dtype = torch.float32, *, eager: bool = False,
                  head: bool = True) -> None:
@@ -278,14 +278,15 @@ class LayerwiseLM:
             inp.weight.data = inp.weight.data.new_empty(0)  # the source's, at each group's start
             self.table = (name, inp)
 
-    def _set_rest(self, path: Segment, t: float) -> None:
-        """The tables, final norm and head at point ``t``."""
+    def _set_rest(self, path: Segment, t: float, table: bool = True) -> None:
+        """The tables, final norm and head at point ``t`` (a table held as stored only with
+        ``table``: only the embeddings read it, and the head is not run then)."""
         if self.dropped:
             raise AttnidError("internal: this model's tables and head were dropped (drop_rest)")
+        if self.table is not None and t not in (0.0, 1.0):
+            raise AttnidError("internal: a table held as stored is only an end of the path")
         path.put(self.rest, t)
-        if self.table is not None:
-            if t not in (0.0, 1.0):
-                raise AttnidError("internal: a table held as stored is only an end of the path")
+        if self.table is not None and table:
             name, emb = self.table
             w = (path.a if t == 0.0 else path.b).tensor(name, check=False)
             path.check(name, w, t)
@@ -340,7 +341,7 @@ class LayerwiseLM:
                     for k, t in enumerate(ts):
                         self._set_layer(path, i, t)
                         if i == self.L - 1:
-                            self._set_rest(path, t)  # the last layer's forwards run on to the head
+                            self._set_rest(path, t, table=False)  # the forwards run on to the head
                         for gate in gates[k]:
                             if gate.at != i:
                                 raise AttnidError(f"internal: a forward skipped layer {i}")
