@@ -9,6 +9,7 @@ float64 one's gradients to float32 rounding."""
 from __future__ import annotations
 
 import weakref
+from collections.abc import Collection
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ pytest.importorskip("transformers")
 
 from attnid.testing.catalogue import TRANSFORM_FAMILIES as FAMILIES
 from attnid.whole.align import align
+from attnid.whole.align import refine_units as refine_units_module
 from attnid.whole.align.aligner import as_tensors
 from attnid.whole.align.refine import Parameters, PathLoss, refinable_parts, refine
 from attnid.whole.align.refine_units import UnitPathLoss, refine_units
@@ -52,8 +54,10 @@ CAUSAL = [f for f, c in FAMILIES.items() if not c["architectures"][0].endswith("
 
 
 @pytest.mark.filterwarnings("ignore:Converting a tensor with requires_grad")  # the group's own checks
+@pytest.mark.parametrize("block", [4096, 5])  # 5: tables, heads and MLPs pulled in pieces
 @pytest.mark.parametrize("family", CAUSAL)
-def test_the_gradient_is_the_whole_models(family):
+def test_the_gradient_is_the_whole_models(family, block, monkeypatch):
+    monkeypatch.setattr(refine_units_module, "BLOCK", block)
     conf, A, al = pair(family)
     B = al.model
     parts = refinable_parts(B, "full", al.stream_permutation is not None)
@@ -69,7 +73,7 @@ def test_the_gradient_is_the_whole_models(family):
             lm = LayerwiseLM(SplitSource(as_tensors(A)), torch.float64, eager=True)
             lm.drop_rest()  # a tensor a pass did not hand over would fail, not be the model's own
             value = UnitPathLoss(lm, SplitSource(as_tensors(A)), SplitSource(B), ALPHAS).backward(
-                theta.element(), ids)
+                theta.element, ids)
         else:
             loss = PathLoss(tiny_model(conf, seed=0), as_tensors(A), ALPHAS)
             v = loss(apply_element(B, theta.element()), ids)
@@ -83,6 +87,50 @@ def test_the_gradient_is_the_whole_models(family):
     errs = {n: rel(gu[n], gw[n]) for n in gw}
     worst = max(errs, key=errs.__getitem__)
     assert errs[worst] <= 1e-12, f"{family}: gradient of {worst} {errs[worst]:.1e} from the whole model's"
+
+
+@pytest.mark.parametrize("family", ["llama-gqa", "llama-tied", "gpt2-untied", "phi3"])
+def test_pieces_move_as_their_group(family, monkeypatch):
+    """Each group's pieces (`UnitPathLoss._blocks`, 5 rows each) cover its cut tensors once, and
+    moved one at a time they give the group's moved tensors: rows of a table and a head,
+    neurons of a plain MLP (GPT-2's conv1d and Phi-3's fused MLP stay whole)."""
+    monkeypatch.setattr(refine_units_module, "BLOCK", 5)
+    _, A, al = pair(family)
+    src = SplitSource(al.model)
+    loss = UnitPathLoss(LayerwiseLM(SplitSource(as_tensors(A)), torch.float64, eager=True),
+                        SplitSource(as_tensors(A)), src, ALPHAS)
+    parts = refinable_parts(al.model, "full", al.stream_permutation is not None)
+    theta = Parameters(al.model, parts, gl=True)
+    with torch.no_grad():
+        for p in theta.parameters():
+            p.copy_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1), dtype=p.dtype))
+        g = theta.element()
+        split = set()
+        for k in sorted(set(loss.group.values())):
+            members = [n for n, j in loss.group.items() if j == k]
+            here = loss._load(members)
+            whole = apply_element(here, g).tensors
+            got: dict[str, list[torch.Tensor]] = {}
+            dims: dict[str, int] = {}
+            for names, m, gb, cut in loss._blocks(members, here, g):
+                moved = apply_element(m, gb).tensors
+                for n in names:
+                    got.setdefault(n, []).append(moved[n])
+                    dims[n] = cut[n][0] if n in cut else -1
+            for n in members:
+                parts = got[n]
+                if len(parts) > 1:
+                    split.add(n)
+                x = torch.cat(parts, dims[n]) if dims[n] >= 0 else parts[0]
+                assert len(parts) == 1 or dims[n] >= 0, f"{family}: {n} uncut yet given {len(parts)} times"
+                err = rel(x, whole[n])
+                assert err <= 1e-12, f"{family}: {n} moved in pieces is {err:.1e} from its group's"
+    lay = al.model.layout
+    table = f"{lay.tables[0]}.weight"
+    assert table in split, f"{family}: the token table was not split ({sorted(split)})"
+    plain = not any(x.rows or x.conv1d for x in lay.mlps[0])
+    down = f"{lay.mlps[0][1].path}.weight"
+    assert (down in split) == plain, f"{family}: the MLP split {down in split}, plain {plain}"
 
 
 @pytest.mark.parametrize("family", ["llama-gqa", "llama-tied", "gpt2-untied"])
@@ -102,19 +150,22 @@ def test_steps_are_the_whole_refinements(family):
 
 
 class Counted(SplitSource):
-    """A model in memory handed out a unit at a time (held in float32, so that each float64
-    load is a copy), noting at each load how many of the layer units it handed out are still
-    alive (any of their tensors), and counting single tensors read."""
+    """A model in memory handed out a unit (or part of one) at a time (held in float32, so that
+    each float64 load is a copy), noting at each layer load how many of the loads it handed out
+    are still alive (any of their tensors) and the most tensors one load held, and counting
+    single tensors read."""
 
     def __init__(self, m: ModelTensors) -> None:
         super().__init__(ModelTensors(m.layout, {n: t.float() for n, t in m.tensors.items()}, m.config))
         self.units: list[list[weakref.ref]] = []
-        self.most = self.loads = self.reads = 0
+        self.most = self.loads = self.reads = self.widest = 0
 
-    def load(self, unit: int, dtype: torch.dtype | None = None, *, check: bool = True) -> ModelTensors:
-        m = super().load(unit, dtype, check=check)
+    def load(self, unit: int, dtype: torch.dtype | None = None, *, check: bool = True,
+             only: Collection[str] | None = None) -> ModelTensors:
+        m = super().load(unit, dtype, check=check, only=only)
         if 1 <= unit <= len(self.layout.layers):
             self.loads += 1
+            self.widest = max(self.widest, len(m.tensors))
             self.units.append([weakref.ref(t) for t in m.tensors.values()])
             self.most = max(self.most, sum(any(r() is not None for r in refs) for refs in self.units))
         return m
@@ -124,16 +175,19 @@ class Counted(SplitSource):
         return super().tensor(name, check=check)
 
 
-def test_one_layer_unit_at_a_time():
-    """Six layers: B is moved one layer unit at a time, each let go before the next is loaded,
+def test_one_group_of_a_layer_at_a_time():
+    """Six layers: B is moved a group of coupled tensors at a time (a Llama layer's attention
+    with its norm: 5 tensors; its MLP with its norm: 4), each let go before the next is read,
     and A is read a tensor at a time (a whole model would be 6 units of each)."""
     _, A, al = pair("llama-gqa", num_hidden_layers=6)
     ids = torch.randint(0, A.config.vocab_size, (4, 6), generator=torch.Generator().manual_seed(0))
     a, b = Counted(as_tensors(A)), Counted(al.model)
     refine_units(a, b, LayerwiseLM(a, torch.float64, eager=True), ids, 2, batch=4,
                  permuted_stream=al.stream_permutation is not None)
-    assert b.loads >= 2 * 6 * 2, b.loads  # each step: every layer forward, then backward
-    assert b.most == 1, f"{b.most} of B's layer units alive at once"
+    # each step, each layer's 2 groups: the forward, then the backward's mix and its pull
+    assert b.loads >= 2 * 6 * 3 * 2, b.loads
+    assert b.most == 1, f"{b.most} of B's loads alive at once"
+    assert b.widest == 5, f"a load held {b.widest} tensors (a Llama layer unit holds 9)"
     assert a.loads == 0 and a.reads >= 2 * 6 * 2 * 9, (a.loads, a.reads)  # 9 tensors a Llama layer
 
 
@@ -165,7 +219,7 @@ def test_a_float32_graph_gives_every_gradient(where):
         lm.drop_rest()
         loss = UnitPathLoss(lm, a, b, ALPHAS, dtype)
         values[dtype] = float(loss.value(theta.element(), ids))
-        loss.backward(theta.element(), ids)
+        loss.backward(theta.element, ids)
         grads[dtype] = {n: p.grad for n, p in theta.named_parameters()}
     missing = [n for n, g in grads[torch.float32].items() if g is None]
     assert not missing, f"{where}: no gradient for {missing} from the float32 graph"

@@ -14,6 +14,7 @@ architecture with ``tie_word_embeddings: false``, whose head reads the token tab
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -45,11 +46,13 @@ class Units:
         """The ``state_dict`` names of a unit that the checkpoint holds."""
         return [n for n, u in self.unit_of.items() if u == unit]
 
-    def load(self, unit: int, dtype: torch.dtype | None = None, *, check: bool = True) -> ModelTensors:
+    def load(self, unit: int, dtype: torch.dtype | None = None, *, check: bool = True,
+             only: Collection[str] | None = None) -> ModelTensors:
         """A unit's tensors (with what it needs from another unit), floating ones in ``dtype``
-        (None: as stored); the checkpoint's NaN check applies unless ``check=False``."""
+        (None: as stored); the checkpoint's NaN check applies unless ``check=False``. ``only``:
+        of the unit's own tensors just these (the extras still read)."""
         out = {}
-        for n in self._read(unit):
+        for n in self._read(unit, only):
             t = self.ck.tensor(self.to_ck[n], check=check)
             out[n] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
         return ModelTensors(self.layout, out, self.ck.config)
@@ -62,9 +65,11 @@ class Units:
         """Have a unit's bytes read into the page cache in the background (`attnid.readahead`)."""
         self.ck.read_ahead(self.to_ck[n] for n in self._read(unit))
 
-    def _read(self, unit: int) -> list[str]:
-        """What loading a unit reads: its own names and the extras it needs from another unit."""
-        return [*self.names(unit), *(x for x in unit_extras(self.layout, unit) if x in self.to_ck)]
+    def _read(self, unit: int, only: Collection[str] | None = None) -> list[str]:
+        """What loading a unit reads: its own names (those in ``only``, when given) and the
+        extras it needs from another unit."""
+        own = [n for n in self.names(unit) if only is None or n in only]
+        return [*own, *(x for x in unit_extras(self.layout, unit) if x in self.to_ck and x not in own)]
 
     def dtype(self) -> torch.dtype:
         return self.ck.dtype()

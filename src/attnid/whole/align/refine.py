@@ -193,7 +193,8 @@ def refine(A: ModelTensors, B: ModelTensors, model: nn.Module, calibration: torc
     theta = Parameters(B, chosen, gl=subgroup == "full")
     loss = PathLoss(model, A, alphas)
 
-    def step(g: GroupElement, ids: torch.Tensor) -> float:
+    def step(make: Callable[[], GroupElement], ids: torch.Tensor) -> float:
+        g = make()
         value = loss(apply_element(B, g), ids)
         value.backward()
         return float(value)
@@ -207,11 +208,12 @@ def refine(A: ModelTensors, B: ModelTensors, model: nn.Module, calibration: torc
 
 def descend(theta: Parameters, chosen: tuple[str, ...], steps: int, calibration: torch.Tensor, *,
             alphas: Sequence[float], lr: float, batch: int, seed: int, progress: Progress | None,
-            step: Callable[[GroupElement, torch.Tensor], float],
+            step: Callable[[Callable[[], GroupElement], torch.Tensor], float],
             full: Callable[[GroupElement | None], float],
             moved: Callable[[GroupElement], ModelTensors | None]) -> Refined:
-    """The refinement's steps: ``step(g, ids)`` adds the objective's gradient on ``ids`` to
-    ``theta``'s parameters (``g`` made from them) and gives its value; ``full(g)`` is the
+    """The refinement's steps: ``step(make, ids)`` adds the objective's gradient on ``ids`` to
+    ``theta``'s parameters and gives its value (``make()`` makes the element from them, with a
+    graph when gradients are on); ``full(g)`` is the
     objective over all of ``calibration`` (None: B as aligned); ``moved(g)`` is B moved by
     ``g``, kept only when that lowers the objective."""
     start = time.perf_counter()
@@ -227,7 +229,7 @@ def descend(theta: Parameters, chosen: tuple[str, ...], steps: int, calibration:
             for k in range(steps):
                 pick = order[(torch.arange(batch) + k * batch) % len(order)]
                 opt.zero_grad()
-                trace.append(step(theta.element(), calibration[pick]))
+                trace.append(step(theta.element, calibration[pick]))
                 opt.step()
                 bar(k + 1, trace[-1])
         finally:

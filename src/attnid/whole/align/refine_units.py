@@ -30,7 +30,7 @@ and its graph (in the compute dtype), A read a tensor at a time, the tables and 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -46,6 +46,7 @@ from attnid.whole.transforms.element import GroupElement, apply_element
 from attnid.whole.transforms.state import ModelTensors
 
 Tensors = dict[str, torch.Tensor]
+BLOCK = 4096  # rows (tokens, neurons) of one piece of a split group (`UnitPathLoss._blocks`)
 
 
 def skeleton(src: Any) -> ModelTensors:
@@ -58,22 +59,56 @@ def skeleton(src: Any) -> ModelTensors:
     return ModelTensors(lay, out, src.config)
 
 
-def _leaves(g: GroupElement) -> tuple[GroupElement, list[tuple[torch.Tensor, torch.Tensor]]]:
+def coupled(shape: ModelTensors) -> dict[str, int]:
+    """Each tensor's group: tensors a transform of `apply_element` changes together (a norm with
+    its readers, a layer's attention, an MLP with its gate, a tied head with its table) share
+    one; the rest are each their own. A group is moved alone as it would be with its unit."""
+    lay, names = shape.layout, list(shape.tensors)
+    parent = {n: n for n in names}
+
+    def root(n: str) -> str:
+        while parent[n] != n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    def join(group: list[str]) -> None:
+        for n in group[1:]:
+            parent[root(n)] = root(group[0])
+
+    def of(paths: set[str]) -> list[str]:
+        return [n for n in names if n.rsplit(".", 1)[0] in paths]
+
+    for nm in (*lay.norms, *(() if lay.final is None else (lay.final,))):
+        join(of({nm.path, *(r.path for r in nm.readers), *(() if nm.absorb is None else (nm.absorb.path,))}))
+    for i in range(len(lay.layers)):
+        join([n for n in shape.attention_names(i) if n in parent])
+        gate = lay.gates[i] if i < len(lay.gates) else None
+        join(of({x.path for x in (*lay.mlps[i], *(() if gate is None else (gate,)))}))
+    if lay.tied and lay.unembed is not None and lay.tables:
+        join(of({lay.unembed.path, lay.tables[0]}))
+    ids: dict[str, int] = {}
+    return {n: ids.setdefault(root(n), len(ids)) for n in names}
+
+
+def _keyed(g: GroupElement) -> dict[tuple, torch.Tensor]:
+    """``g``'s tensors by where they sit (the rotation, each gain, each layer's maps)."""
+    out: dict[tuple, torch.Tensor] = {} if g.rotation is None else {("rotation",): g.rotation}
+    out |= {("gain", p): s for p, s in g.gains.items()}
+    for i, le in enumerate(g.layers):
+        out |= {(f, i): x for f in ("qk", "vo", "mlp") if (x := getattr(le, f)) is not None}
+    return out
+
+
+def _leaves(g: GroupElement) -> tuple[GroupElement, dict[tuple, torch.Tensor]]:
     """``g`` with each tensor a fresh leaf (its gradient kept; in its own dtype: the transforms
-    check the maps in float64 and cast them to each weight's dtype), and the (tensor, leaf)
-    pairs."""
-    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def leaf(t: torch.Tensor | None) -> torch.Tensor | None:
-        if t is None:
-            return None
-        x = t.detach().clone().requires_grad_()
-        pairs.append((t, x))
-        return x
-
-    layers = tuple(replace(le, qk=leaf(le.qk), vo=leaf(le.vo), mlp=leaf(le.mlp)) for le in g.layers)
-    gains = {p: leaf(s) for p, s in g.gains.items()}
-    return GroupElement(rotation=leaf(g.rotation), gains=gains, layers=layers), pairs  # type: ignore[arg-type]
+    check the maps in float64 and cast them to each weight's dtype), and the leaves by
+    `_keyed`'s keys."""
+    leaves = {k: t.detach().clone().requires_grad_() for k, t in _keyed(g).items()}
+    layers = tuple(replace(le, **{f: leaves[(f, i)] for f in ("qk", "vo", "mlp") if (f, i) in leaves})
+                   for i, le in enumerate(g.layers))
+    gains = {p: leaves[("gain", p)] for p in g.gains}
+    return GroupElement(rotation=leaves.get(("rotation",)), gains=gains, layers=layers), leaves
 
 
 class _Stop(Exception):  # noqa: N818  (not an error: the forward's work is done at the first slot)
@@ -111,23 +146,110 @@ class UnitPathLoss:
                  dtype: torch.dtype = torch.float64) -> None:
         self.lm, self.a, self.b, self.alphas, self.dtype = lm, a, b, tuple(alphas), dtype
         self.L = lm.L
+        self.shapes = {n: tuple(t.shape) for n, t in skeleton(b).tensors.items()}
+        self.group = coupled(skeleton(b))
 
-    def _mixed(self, unit: int, g: GroupElement, t: float, names: Sequence[str]) -> Tensors:
-        """The weights ``names`` at point ``t``, from ``unit`` of A and of B moved by ``g`` (in
-        the compute dtype), in the model's dtype."""
-        moved = dict(apply_element(self.b.load(unit, self.dtype), g).tensors)
-        out = {}
-        for n in names:  # A a tensor at a time, and each of B's let go once mixed
-            out[n] = ((1 - t) * self.a.tensor(n).to(self.dtype) + t * moved.pop(n)).to(self.lm.dtype)
-        return out
+    def _moved(self, names: Sequence[str], g: GroupElement) -> Iterator[tuple[list[str], Tensors]]:
+        """B's tensors ``names`` moved by ``g`` (in the compute dtype), a group of `coupled`
+        tensors at a time (only its tensors read): each group's names among ``names`` with its
+        moved tensors. A graph is made when the caller has gradients on."""
+        for k in sorted({self.group[n] for n in names}):
+            members = [n for n, j in self.group.items() if j == k]
+            here: Tensors = {}
+            for unit in sorted({self.b.unit_of[n] for n in members}):
+                m = self.b.load(unit, self.dtype, only=members)
+                here |= m.tensors
+            moved = dict(apply_element(replace(m, tensors=here), g).tensors)
+            del m, here  # each group let go before the next is read
+            yield [n for n in names if self.group[n] == k], moved
+            del moved
 
     def _at(self, names: Sequence[str], g: GroupElement, t: float) -> Tensors:
-        """The weights ``names`` at ``t``, each from its own unit (a post-LN layer's output norm
-        is in the next unit, with its first reader)."""
+        """The weights ``names`` at ``t`` (in the model's dtype), mixed in the compute dtype
+        from A (read a tensor at a time) and B moved by ``g`` (a group at a time)."""
         out: Tensors = {}
-        for unit in sorted({self.a.unit_of[n] for n in names}):
-            out |= self._mixed(unit, g, t, [n for n in names if self.a.unit_of[n] == unit])
+        for group, moved in self._moved(names, g):
+            for n in group:
+                out[n] = ((1 - t) * self.a.tensor(n).to(self.dtype) + t * moved.pop(n)).to(self.lm.dtype)
         return out
+
+    def _pull(self, g: GroupElement, t: float, cot: Tensors) -> None:
+        """The gradient of the weights at ``t`` (``cot``, by name; emptied) pushed into ``g``'s
+        leaves: B's tensors moved by ``g`` again, a group at a time with a graph, and the
+        vector-Jacobian product taken (d/d moved of ``(1 - t) A + t moved`` is ``t``). A group
+        that `_blocks` splits is moved ``BLOCK`` rows (tokens, neurons) at a time: its graph,
+        several copies of what it moves, is then that of a block."""
+        for k in sorted({self.group[n] for n in cot}):
+            members = [n for n, j in self.group.items() if j == k]
+            self._pull_group(members, g, t, cot)
+            for n in members:
+                cot.pop(n, None)
+
+    def _pull_group(self, members: Sequence[str], g: GroupElement, t: float, cot: Tensors) -> None:
+        """`_pull` of one group (what it reads let go on return)."""
+        with torch.enable_grad():
+            for names, m, gb, cut in self._blocks(members, self._load(members), g):
+                moved = apply_element(m, gb).tensors
+                outs = [(moved[n], cot[n] if n not in cut else cot[n].narrow(*cut[n]))
+                        for n in names if n in cot]
+                outs = [(w, d) for w, d in outs if w.requires_grad]
+                if outs:
+                    torch.autograd.backward([w for w, _ in outs], [t * d.to(w.dtype) for w, d in outs])
+                del moved, outs, m
+
+    def _load(self, members: Sequence[str]) -> ModelTensors:
+        """B's tensors ``members`` (and their units' extras), in the compute dtype."""
+        here: Tensors = {}
+        for unit in sorted({self.b.unit_of[n] for n in members}):
+            m = self.b.load(unit, self.dtype, only=members)
+            here |= m.tensors
+        return replace(m, tensors=here)
+
+    def _blocks(self, members: Sequence[str], m: ModelTensors, g: GroupElement
+                ) -> Iterator[tuple[list[str], ModelTensors, GroupElement, dict[str, tuple[int, int, int]]]]:
+        """A group as pieces that `apply_element` moves independently: (the names whose moved
+        values a piece gives, the piece, ``g`` for it, each cut tensor's ``narrow`` arguments).
+        An embedding table or the unembedding (with its norm) splits by rows, as the stream's
+        transforms act on columns; a plain MLP with its norm by neurons (rows of its up and
+        gate, columns of its down, the scales' entries), when ``g`` permutes none. Any other
+        group is one piece."""
+        lay = m.layout
+        wide = [n for n in members if len(self.shapes[n]) == 2]
+        rows = {f"{x}.weight" for x in (*lay.tables, *(() if lay.unembed is None else (lay.unembed.path,)))}
+        dims: dict[str, int] = {}
+        layer = None
+        if wide and all(n in rows for n in wide) and len({self.shapes[n][0] for n in wide}) == 1:
+            dims = {n: 0 for n in wide}
+        for i, (up, down) in enumerate(lay.mlps):
+            gate = lay.gates[i] if i < len(lay.gates) else None
+            lins = [x for x in (up, gate) if x is not None]
+            le = g.layers[i] if i < len(g.layers) else None
+            if (f"{down.path}.weight" in members and not any(x.rows or x.conv1d for x in (*lins, down))
+                    and (le is None or le.neurons is None)):
+                dims = {n: 0 for x in lins for p in ("weight", "bias") if (n := f"{x.path}.{p}") in members}
+                dims[f"{down.path}.weight"] = 1
+                layer = i if wide and set(wide) <= set(dims) else None
+                dims = dims if layer is not None else {}
+        if not dims:
+            yield list(members), m, g, {}
+            return
+        size = {self.shapes[n][d] for n, d in dims.items()}
+        if len(size) != 1:
+            yield list(members), m, g, {}
+            return
+        total = size.pop()
+        for start in range(0, total, BLOCK):
+            n = min(BLOCK, total - start)
+            cut = {x: (d, start, n) for x, d in dims.items()}
+            piece = {x: w.narrow(*cut[x]) if x in cut else w for x, w in m.tensors.items()}
+            gb = g
+            if layer is not None and g.layers[layer].mlp is not None:
+                le = g.layers[layer]
+                gb = replace(g, layers=tuple(replace(le, mlp=le.mlp[start:start + n]) if j == layer else x
+                                             for j, x in enumerate(g.layers)))
+            # a tensor the blocks do not cut (a norm, the down bias) is pulled with the first
+            names = [x for x in members if x in cut or start == 0]
+            yield names, replace(m, tensors=piece), gb, cut
 
     def _rest(self, g: GroupElement, t: float, units: Sequence[int] | None = None) -> Tensors:
         """The tables, final norm and head at ``t`` (those of ``units``; None: all)."""
@@ -179,36 +301,60 @@ class UnitPathLoss:
         if not grad:
             return loss
         units = {self.a.unit_of[n] for n in rest}
-        tail = sorted(units - {0} if not self.a.layout.tied else units)  # the head reads a tied table
+        tied = self.a.layout.tied
+        tail = units - {0} if not tied else units  # the head reads a tied table
         top = _first(outs[-1]).detach().requires_grad_()
+        for n in rest:  # the final norm and head (and a tied table): the head's part's leaves
+            if self.a.unit_of[n] in tail:
+                rest[n].requires_grad_()
         with torch.enable_grad():
-            rest |= self._rest(g, t, tail)  # the final norm and head, now as functions of g
             head = self._forward(rest, ids, lambda i, _a, _kw: outs[i] if i < L - 1 else _like(outs[i], top))
             head.backward()
         up = top.grad
+        cot = {n: w.grad for n, w in rest.items() if w.grad is not None}
+        # a tied table's, pulled with the tables' part
+        held = {n: cot.pop(n).to(self.dtype) for n in list(cot) if self.a.unit_of[n] == 0}
         rest.clear()
         outs.clear()
+        self._pull(g, t, cot)
         for i in reversed(range(L)):
             a, kw = kept[i]
             x = _hidden(a, kw).requires_grad_()
             a, kw = _with_hidden(a, kw, x)
+            with torch.no_grad():
+                w = self._layer(i, g, t)
+            for v in w.values():
+                v.requires_grad_()
             with torch.enable_grad():
-                out = torch.func.functional_call(lm.layers[i], self._layer(i, g, t), a, kw)
+                out = torch.func.functional_call(lm.layers[i], w, a, kw)
                 torch.autograd.backward(_first(out), up)
             up = x.grad
             kept[i] = ((), {})
+            prefix = lm.prefixes[i]
+            cot = {prefix + n: v.grad for n, v in w.items() if v.grad is not None}
+            del w, out
+            self._pull(g, t, cot)
 
         def stop(i: int, args: tuple, kwargs: dict) -> Any:
             raise _Stop(_hidden(args, kwargs))
 
+        with torch.no_grad():
+            tables = self._rest(g, t, sorted(units - {L + 1}))
+        for w in tables.values():
+            w.requires_grad_()
         with torch.enable_grad():
             try:
-                self._forward(self._rest(g, t, sorted(units - {L + 1})), ids, stop)
+                self._forward(tables, ids, stop)
             except _Stop as s:
-                if s.x.requires_grad:  # g moves the tables: their part
+                if s.x.requires_grad:
                     s.x.backward(up)
             else:
                 raise AttnidError("internal: the forward did not reach the first layer")
+        cot = {n: w.grad for n, w in tables.items() if w.grad is not None}
+        for n, d in held.items():
+            cot[n] = d + cot[n].to(self.dtype) if n in cot else d
+        tables.clear()
+        self._pull(g, t, cot)
         return loss
 
     def value(self, g: GroupElement, ids: torch.Tensor) -> torch.Tensor:
@@ -216,11 +362,16 @@ class UnitPathLoss:
         with torch.no_grad():
             return torch.stack([self._point(g, t, ids, grad=False) for t in self.alphas]).sum()
 
-    def backward(self, g: GroupElement, ids: torch.Tensor) -> float:
-        """The objective on ``ids``, its gradient added to the parameters ``g`` was made from."""
-        leafy, pairs = _leaves(g)
+    def backward(self, make: Callable[[], GroupElement], ids: torch.Tensor) -> float:
+        """The objective on ``ids``, its gradient added to the parameters ``make()`` makes the
+        element from. The element's own graph (a Cayley solve of ``[d, d]``, several
+        ``[d, d]`` float64 tensors) is made only for the last backward, after the units'."""
+        with torch.no_grad():
+            leafy, leaves = _leaves(make())
         total = sum(float(self._point(leafy, t, ids, grad=True)) for t in self.alphas)
-        made = [(t, x.grad) for t, x in pairs if x.grad is not None and t.requires_grad]
+        grads = {k: x.grad for k, x in leaves.items() if x.grad is not None}
+        del leafy, leaves
+        made = [(t, grads[k]) for k, t in _keyed(make()).items() if k in grads and t.requires_grad]
         if made:
             torch.autograd.backward([t for t, _ in made], [d for _, d in made])
         return total

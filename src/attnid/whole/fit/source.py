@@ -5,7 +5,7 @@ module or a `ModelTensors` already in memory is a `TensorSource`."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any, Protocol
 
 import torch
@@ -141,8 +141,10 @@ class SplitSource(TensorSource):
         if lay.tied and lay.unembed is not None:  # the tied head is its table: not a unit's own
             self.unit_of.pop(f"{lay.unembed.path}.weight", None)
 
-    def load(self, unit: int, dtype: torch.dtype | None = None, *, check: bool = True) -> ModelTensors:
-        names = [*self.names(unit), *(x for x in unit_extras(self.layout, unit) if x in self.m.tensors)]
+    def load(self, unit: int, dtype: torch.dtype | None = None, *, check: bool = True,
+             only: Collection[str] | None = None) -> ModelTensors:
+        own = [n for n in self.names(unit) if only is None or n in only]
+        names = [*own, *(x for x in unit_extras(self.layout, unit) if x in self.m.tensors and x not in own)]
         out = {n: self.m.tensors[n] for n in names}
         if check:
             for n, t in out.items():
