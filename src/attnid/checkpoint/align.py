@@ -236,8 +236,10 @@ def refined_files(ua: Units, ub: Units, al: Alignment, written: Path, dst: Path,
     tmp = dst.parent / f".{dst.name}.{secrets.token_hex(4)}.tmp"
     tmp.mkdir(parents=True)
     try:
-        # the refined element, applied a unit at a time (float64)
-        write_units(uw, lambda u: apply_element(uw.load(u, torch.float64), r.element), tmp)
+        # the refined element, applied a unit at a time (in the compute dtype: float32 for
+        # bfloat16 checkpoints, float64 otherwise)
+        cd = compute_dtype(uw.dtype())
+        write_units(uw, lambda u: apply_element(uw.load(u, cd), r.element), tmp)
         copy_other_files(written, tmp, {f.path.name for f in uw.ck.files})
         worst, tol = certify(ub, tmp, al.stream_permutation, al.element.layers)
     except BaseException:

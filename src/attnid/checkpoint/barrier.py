@@ -98,7 +98,9 @@ def barrier(model_a: str | Path, model_b: str | Path, data: str | Path, *, align
             curves["aligned"] = path_losses(lm, ua, _units(written, ub), chunks, ts, shown, "aligned")
             if refine is not None:
                 assert calib is not None and al is not None  # check_refine
+                del lm  # its tables and head (float32) are not held through the refinement's own
                 written, _, _, refined = refined_files(ua, ub, al, written, dst, calib, refine, shown)
+                lm = LayerwiseLM(ua)
                 curves["refined"] = path_losses(lm, ua, _units(written, ub), chunks, ts, shown, "refined")
     finally:
         if written is not None:

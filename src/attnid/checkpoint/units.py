@@ -50,7 +50,7 @@ class Units:
              only: Collection[str] | None = None) -> ModelTensors:
         """A unit's tensors (with what it needs from another unit), floating ones in ``dtype``
         (None: as stored); the checkpoint's NaN check applies unless ``check=False``. ``only``:
-        of the unit's own tensors just these (the extras still read)."""
+        just these of them."""
         out = {}
         for n in self._read(unit, only):
             t = self.ck.tensor(self.to_ck[n], check=check)
@@ -66,10 +66,10 @@ class Units:
         self.ck.read_ahead(self.to_ck[n] for n in self._read(unit))
 
     def _read(self, unit: int, only: Collection[str] | None = None) -> list[str]:
-        """What loading a unit reads: its own names (those in ``only``, when given) and the
-        extras it needs from another unit."""
-        own = [n for n in self.names(unit) if only is None or n in only]
-        return [*own, *(x for x in unit_extras(self.layout, unit) if x in self.to_ck and x not in own)]
+        """What loading a unit reads: its own names and the extras it needs from another unit
+        (those in ``only``, when given)."""
+        names = [*self.names(unit), *(x for x in unit_extras(self.layout, unit) if x in self.to_ck)]
+        return [n for n in dict.fromkeys(names) if only is None or n in only]
 
     def dtype(self) -> torch.dtype:
         return self.ck.dtype()

@@ -12,20 +12,24 @@ model's dtype):
    is handed them), each slot running its layer there and then on that layer's weights at
    ``t``, every layer's input and output kept (``[b, T, d]`` each, as activation
    checkpointing keeps them).
-2. **The head's part.** The forward again with the final norm and head as functions of ``g``,
-   every slot handing back its kept output, the last one as a leaf: its backward gives the
-   head's gradient and the last layer's output gradient.
-3. **The layers**, last to first: each run again on its kept input with its weights now as
-   functions of ``g``, its output's gradient pushed back to its input and to ``g``.
-4. **The tables' part.** A forward with the tables as functions of ``g`` that stops at the
-   first slot, whose input takes the first layer's input gradient.
+2. **The head's part.** The forward again with the final norm and head at ``t`` (the
+   forward's) as leaves, every slot handing back its kept output, the last one as a leaf: its
+   backward gives the head's weight gradient and the last layer's output gradient.
+3. **The layers**, last to first: each run again on its kept input with its weights at ``t``
+   as leaves, its output's gradient pushed back to its input and its weights.
+4. **The tables' part.** A forward with the tables at ``t`` as leaves that stops at the first
+   slot, whose input takes the first layer's input gradient.
 
-The gradients reach ``g``'s tensors (the stream rotation, each layer's maps, the gains) held as
-leaves, and from them the refinement's parameters in one more backward, so the element is made
-once per step. Each step reads every layer unit twice per point (forward, backward) and the
-tables and head twice (a tied table three times); what is held at once is B's unit being moved
-and its graph (in the compute dtype), A read a tensor at a time, the tables and head at ``t``
-(in the model's dtype, through the forward and the head's part), and the kept states.
+Each weight gradient is then pulled back to ``g`` (`UnitPathLoss._pull`): B's tensors moved by
+``g`` again with a graph, a group of `coupled` tensors at a time, tables, heads and plain MLPs
+``BLOCK`` rows at a time, so that one group's or block's graph is held, not a unit's. The
+gradients reach ``g``'s tensors (the stream rotation, each layer's maps, the gains) held as
+leaves, and from them the refinement's parameters in one more backward, with the element made
+again with its graph (the passes use it without one). Each step reads every layer unit three
+times per point (forward, the weights at ``t``, the pull) and the tables and head twice each;
+what is held at once is one unit's weights at ``t`` and their gradient (in the model's dtype),
+one group's graph (in the compute dtype), A read a tensor at a time, the tables and head at
+``t`` through the forward and the head's part, and the kept states.
 """
 
 from __future__ import annotations
@@ -155,12 +159,7 @@ class UnitPathLoss:
         moved tensors. A graph is made when the caller has gradients on."""
         for k in sorted({self.group[n] for n in names}):
             members = [n for n, j in self.group.items() if j == k]
-            here: Tensors = {}
-            for unit in sorted({self.b.unit_of[n] for n in members}):
-                m = self.b.load(unit, self.dtype, only=members)
-                here |= m.tensors
-            moved = dict(apply_element(replace(m, tensors=here), g).tensors)
-            del m, here  # each group let go before the next is read
+            moved = dict(apply_element(self._load(members), g).tensors)  # let go before the next
             yield [n for n in names if self.group[n] == k], moved
             del moved
 
@@ -198,7 +197,8 @@ class UnitPathLoss:
                 del moved, outs, m
 
     def _load(self, members: Sequence[str]) -> ModelTensors:
-        """B's tensors ``members`` (and their units' extras), in the compute dtype."""
+        """B's tensors ``members`` (nothing else of their units), in the compute dtype. A tied
+        head's table, a unit's extra for other work, is not read: no move of a group needs it."""
         here: Tensors = {}
         for unit in sorted({self.b.unit_of[n] for n in members}):
             m = self.b.load(unit, self.dtype, only=members)
@@ -310,6 +310,7 @@ class UnitPathLoss:
         with torch.enable_grad():
             head = self._forward(rest, ids, lambda i, _a, _kw: outs[i] if i < L - 1 else _like(outs[i], top))
             head.backward()
+        del head  # its graph's ends hold the leaves, and through them their gradients
         up = top.grad
         cot = {n: w.grad for n, w in rest.items() if w.grad is not None}
         # a tied table's, pulled with the tables' part

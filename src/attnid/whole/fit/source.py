@@ -143,8 +143,8 @@ class SplitSource(TensorSource):
 
     def load(self, unit: int, dtype: torch.dtype | None = None, *, check: bool = True,
              only: Collection[str] | None = None) -> ModelTensors:
-        own = [n for n in self.names(unit) if only is None or n in only]
-        names = [*own, *(x for x in unit_extras(self.layout, unit) if x in self.m.tensors and x not in own)]
+        names = [*self.names(unit), *(x for x in unit_extras(self.layout, unit) if x in self.m.tensors)]
+        names = [n for n in dict.fromkeys(names) if only is None or n in only]
         out = {n: self.m.tensors[n] for n in names}
         if check:
             for n, t in out.items():
