@@ -227,7 +227,8 @@ def descend(theta: Parameters, chosen: tuple[str, ...], steps: int, calibration:
         warnings.filterwarnings("ignore", "Converting a tensor with requires_grad", UserWarning)
         try:
             for k in range(steps):
-                pick = order[(torch.arange(batch) + k * batch) % len(order)]
+                n = min(batch, len(order))  # a chunk at most once a step (fewer than a batch: all)
+                pick = order[(torch.arange(n) + k * n) % len(order)]
                 opt.zero_grad()
                 trace.append(step(theta.element, calibration[pick]))
                 opt.step()

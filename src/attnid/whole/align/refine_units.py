@@ -50,6 +50,7 @@ from attnid.whole.transforms.element import GroupElement, apply_element
 from attnid.whole.transforms.state import ModelTensors
 
 Tensors = dict[str, torch.Tensor]
+MICRO_TOKENS = 1024  # tokens a part of a step after its forward runs at once (`UnitPathLoss._point`)
 BLOCK = 4096  # rows (tokens, neurons) of one piece of a split group (`UnitPathLoss._blocks`)
 
 
@@ -115,11 +116,28 @@ def _leaves(g: GroupElement) -> tuple[GroupElement, dict[tuple, torch.Tensor]]:
     return GroupElement(rotation=leaves.get(("rotation",)), gains=gains, layers=layers), leaves
 
 
-class _Stop(Exception):  # noqa: N818  (not an error: the forward's work is done at the first slot)
-    """Ends a forward at the first slot, handing back that slot's input."""
+class _Stop(Exception):  # noqa: N818  (not an error: the forward's work is done at a slot)
+    """Ends a forward at a slot, handing back what it was given there (the first slot's input,
+    the last layer's output)."""
 
-    def __init__(self, x: torch.Tensor) -> None:
+    def __init__(self, x: Any) -> None:
         self.x = x
+
+
+def _rows(tree: Any, part: slice, b: int) -> Any:
+    """``tree`` (a layer's arguments: tensors, tuples, dicts) with the rows ``part`` of every
+    tensor of two or more dimensions whose first is the batch ``b`` (hidden states, masks,
+    position ids and embeddings per sequence); the rest as it is (a position shared by the
+    batch, ``[1, T, ...]``, or 1-D)."""
+    if isinstance(tree, torch.Tensor):
+        return tree[part] if tree.dim() >= 2 and tree.shape[0] == b else tree
+    if isinstance(tree, tuple):
+        return tuple(_rows(x, part, b) for x in tree)
+    if isinstance(tree, list):
+        return [_rows(x, part, b) for x in tree]
+    if isinstance(tree, dict):
+        return {k: _rows(v, part, b) for k, v in tree.items()}
+    return tree
 
 
 def _hidden(args: tuple, kwargs: dict) -> torch.Tensor:
@@ -276,64 +294,85 @@ class UnitPathLoss:
 
     def _point(self, g: GroupElement, t: float, ids: torch.Tensor, grad: bool) -> torch.Tensor:
         """The loss at ``t`` on ``ids``; with ``grad``, its gradient pushed into ``g``'s leaves:
-        the forward without a graph, keeping each layer's input and output; the head's part
-        (its forward again, every slot handing back the kept output); each layer's, last to
-        first; the tables', through a forward that stops at the first slot."""
+        the forward without a graph, keeping each layer's input, stopped after the last layer;
+        the head's part (the forward again, every slot handing back the last layer's output),
+        which gives the loss; each layer's, last to first; the tables', through a forward that
+        stops at the first slot. Every part after the first runs ``MICRO_TOKENS`` tokens of
+        ``ids`` at a time (whole sequences), its weights' gradients summed over them."""
         lm, L = self.lm, self.L
         kept: list[tuple[tuple, dict]] = []
-        outs: list[Any] = []
         ran = [0]
 
         def run(i: int, args: tuple, kwargs: dict) -> Any:
             a, kw = _with_hidden(args, kwargs, _hidden(args, kwargs).detach())
             out = torch.func.functional_call(lm.layers[i], self._layer(i, g, t), a, kw)
             ran[0] += 1
-            if grad:  # what the backward starts from (the output is the next layer's input)
+            if grad:  # what each layer's part starts from
                 kept.append((a, kw))
-                outs.append(out)
+            if i == L - 1:
+                raise _Stop(out)
             return out
 
         with torch.no_grad():
             rest = self._rest(g, t)
-            loss = self._forward(rest, ids, run)
+            try:
+                self._forward(rest, ids, run)
+            except _Stop as s:
+                last = s.x
+            else:
+                raise AttnidError("internal: the forward did not reach the last layer")
         if ran[0] != L:
             raise AttnidError(f"internal: the forward ran {ran[0]} of {L} layers")
+        b = ids.shape[0]
+        parts = [slice(j, j + self.micro(ids)) for j in range(0, b, self.micro(ids))]
+        units = {self.a.unit_of[n] for n in rest}
+        tail = units - {0} if not self.a.layout.tied else units  # the head reads a tied table
+        if grad:
+            for n in rest:  # the final norm and head (and a tied table): the head's part's leaves
+                if self.a.unit_of[n] in tail:
+                    rest[n].requires_grad_()
+        loss = torch.zeros((), dtype=torch.float64)
+        ups = []
+        for p in parts:
+            top = _first(last)[p].detach().requires_grad_(grad)
+            with torch.set_grad_enabled(grad):
+                here = self._forward(rest, ids[p], lambda i, _a, _kw, top=top, last=last: _like(last, top))
+                here = here * (len(ids[p]) / b)  # equal lengths: the mean over all tokens
+                if grad:
+                    here.backward()
+            loss = loss + here.detach()
+            ups.append(top.grad)
+            del here  # its graph's ends hold the leaves, and through them their gradients
         if not grad:
             return loss
-        units = {self.a.unit_of[n] for n in rest}
-        tied = self.a.layout.tied
-        tail = units - {0} if not tied else units  # the head reads a tied table
-        top = _first(outs[-1]).detach().requires_grad_()
-        for n in rest:  # the final norm and head (and a tied table): the head's part's leaves
-            if self.a.unit_of[n] in tail:
-                rest[n].requires_grad_()
-        with torch.enable_grad():
-            head = self._forward(rest, ids, lambda i, _a, _kw: outs[i] if i < L - 1 else _like(outs[i], top))
-            head.backward()
-        del head  # its graph's ends hold the leaves, and through them their gradients
-        up = top.grad
+        up = torch.cat(ups)
         cot = {n: w.grad for n, w in rest.items() if w.grad is not None}
         # a tied table's, pulled with the tables' part
         held = {n: cot.pop(n).to(self.dtype) for n in list(cot) if self.a.unit_of[n] == 0}
         rest.clear()
-        outs.clear()
+        del last, top
         self._pull(g, t, cot)
         for i in reversed(range(L)):
             a, kw = kept[i]
-            x = _hidden(a, kw).requires_grad_()
-            a, kw = _with_hidden(a, kw, x)
             with torch.no_grad():
                 w = self._layer(i, g, t)
             for v in w.values():
                 v.requires_grad_()
-            with torch.enable_grad():
-                out = torch.func.functional_call(lm.layers[i], w, a, kw)
-                torch.autograd.backward(_first(out), up)
-            up = x.grad
+            ups = []
+            for p in parts:
+                ap, kwp = _rows((a, kw), p, b)
+                x = _hidden(ap, kwp).detach().requires_grad_()
+                ap, kwp = _with_hidden(ap, kwp, x)
+                with torch.enable_grad():
+                    out = torch.func.functional_call(lm.layers[i], w, ap, kwp)
+                    torch.autograd.backward(_first(out), up[p])
+                ups.append(x.grad)
+                del out
+            up = torch.cat(ups)
             kept[i] = ((), {})
             prefix = lm.prefixes[i]
             cot = {prefix + n: v.grad for n, v in w.items() if v.grad is not None}
-            del w, out
+            del w
             self._pull(g, t, cot)
 
         def stop(i: int, args: tuple, kwargs: dict) -> Any:
@@ -343,20 +382,25 @@ class UnitPathLoss:
             tables = self._rest(g, t, sorted(units - {L + 1}))
         for w in tables.values():
             w.requires_grad_()
-        with torch.enable_grad():
-            try:
-                self._forward(tables, ids, stop)
-            except _Stop as s:
-                if s.x.requires_grad:
-                    s.x.backward(up)
-            else:
-                raise AttnidError("internal: the forward did not reach the first layer")
+        for p in parts:
+            with torch.enable_grad():
+                try:
+                    self._forward(tables, ids[p], stop)
+                except _Stop as s:
+                    if s.x.requires_grad:
+                        s.x.backward(up[p])
+                else:
+                    raise AttnidError("internal: the forward did not reach the first layer")
         cot = {n: w.grad for n, w in tables.items() if w.grad is not None}
         for n, d in held.items():
             cot[n] = d + cot[n].to(self.dtype) if n in cot else d
         tables.clear()
         self._pull(g, t, cot)
         return loss
+
+    def micro(self, ids: torch.Tensor) -> int:
+        """Sequences of ``ids`` per part after the forward (`MICRO_TOKENS` tokens, at least one)."""
+        return max(1, MICRO_TOKENS // max(1, ids.shape[1]))
 
     def value(self, g: GroupElement, ids: torch.Tensor) -> torch.Tensor:
         """The objective on ``ids`` (no gradient)."""
