@@ -39,7 +39,7 @@ from attnid.whole.transforms.residual import rotation_refusal
 from attnid.whole.transforms.state import ModelTensors
 
 REFINABLE = ("rotation", "qk", "vo", "mlp", "norms")  # the continuous parts, in apply order
-BATCH = 16  # calibration chunks per step
+BATCH = 16  # calibration chunks per step (every chunk, once, when there are fewer)
 
 
 @dataclass(frozen=True)

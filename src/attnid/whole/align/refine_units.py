@@ -10,17 +10,19 @@ model's dtype):
 1. **Forward**, without a graph: transformers' forward of the model built without its decoder
    layers (`attnid.whole.layerwise.LayerwiseLM`, its own tables and head freed: each forward
    is handed them), each slot running its layer there and then on that layer's weights at
-   ``t``, every layer's input and output kept (``[b, T, d]`` each, as activation
-   checkpointing keeps them).
-2. **The head's part.** The forward again with the final norm and head at ``t`` (the
-   forward's) as leaves, every slot handing back its kept output, the last one as a leaf: its
-   backward gives the head's weight gradient and the last layer's output gradient.
+   ``t``, every layer's input kept (``[b, T, d]``, as activation checkpointing keeps it),
+   stopped after the last layer.
+2. **The head's part**, which gives the loss: the forward again with the final norm and head
+   at ``t`` (the forward's) as leaves, every slot handing back the last layer's output as a
+   leaf; its backward gives the head's weight gradient and the last layer's output gradient.
 3. **The layers**, last to first: each run again on its kept input with its weights at ``t``
    as leaves, its output's gradient pushed back to its input and its weights.
 4. **The tables' part.** A forward with the tables at ``t`` as leaves that stops at the first
    slot, whose input takes the first layer's input gradient.
 
-Each weight gradient is then pulled back to ``g`` (`UnitPathLoss._pull`): B's tensors moved by
+Parts 2-4 run ``MICRO_TOKENS`` tokens of the batch (whole sequences) at a time, the gradients
+summed over them (the loss is a mean over tokens): a part's logits and graph are held, not the
+batch's. Each weight gradient is then pulled back to ``g`` (`UnitPathLoss._pull`): B's tensors moved by
 ``g`` again with a graph, a group of `coupled` tensors at a time, tables, heads and plain MLPs
 ``BLOCK`` rows at a time, so that one group's or block's graph is held, not a unit's. The
 gradients reach ``g``'s tensors (the stream rotation, each layer's maps, the gains) held as
@@ -171,23 +173,26 @@ class UnitPathLoss:
         self.shapes = {n: tuple(t.shape) for n, t in skeleton(b).tensors.items()}
         self.group = coupled(skeleton(b))
 
-    def _moved(self, names: Sequence[str], g: GroupElement) -> Iterator[tuple[list[str], Tensors]]:
-        """B's tensors ``names`` moved by ``g`` (in the compute dtype), a group of `coupled`
-        tensors at a time (only its tensors read): each group's names among ``names`` with its
-        moved tensors. A graph is made when the caller has gradients on."""
-        for k in sorted({self.group[n] for n in names}):
-            members = [n for n, j in self.group.items() if j == k]
-            moved = dict(apply_element(self._load(members), g).tensors)  # let go before the next
-            yield [n for n in names if self.group[n] == k], moved
-            del moved
-
     def _at(self, names: Sequence[str], g: GroupElement, t: float) -> Tensors:
         """The weights ``names`` at ``t`` (in the model's dtype), mixed in the compute dtype
-        from A (read a tensor at a time) and B moved by ``g`` (a group at a time)."""
+        from A (read a tensor at a time) and B moved by ``g``, a group of `coupled` tensors at
+        a time (only its tensors read) and within a group a piece of `_blocks` at a time."""
         out: Tensors = {}
-        for group, moved in self._moved(names, g):
-            for n in group:
-                out[n] = ((1 - t) * self.a.tensor(n).to(self.dtype) + t * moved.pop(n)).to(self.lm.dtype)
+        for k in sorted({self.group[n] for n in names}):
+            members = [n for n, j in self.group.items() if j == k]
+            wanted = [n for n in members if n in names]
+            here = self._load(members)
+            ours = {n: self.a.tensor(n) for n in wanted}  # as stored
+            for n in wanted:
+                out[n] = torch.empty(self.shapes[n], dtype=self.lm.dtype)
+            for got, m, gb, cut in self._blocks(members, here, g):
+                moved = apply_element(m, gb).tensors
+                for n in (x for x in got if x in ours):
+                    a = ours[n] if n not in cut else ours[n].narrow(*cut[n])
+                    mixed = (1 - t) * a.to(self.dtype) + t * moved[n]
+                    (out[n] if n not in cut else out[n].narrow(*cut[n])).copy_(mixed)
+                del moved, m
+            del here, ours
         return out
 
     def _pull(self, g: GroupElement, t: float, cot: Tensors) -> None:
@@ -261,7 +266,7 @@ class UnitPathLoss:
             cut = {x: (d, start, n) for x, d in dims.items()}
             piece = {x: w.narrow(*cut[x]) if x in cut else w for x, w in m.tensors.items()}
             gb = g
-            if layer is not None and g.layers[layer].mlp is not None:
+            if layer is not None and layer < len(g.layers) and g.layers[layer].mlp is not None:
                 le = g.layers[layer]
                 gb = replace(g, layers=tuple(replace(le, mlp=le.mlp[start:start + n]) if j == layer else x
                                              for j, x in enumerate(g.layers)))
