@@ -173,26 +173,24 @@ class UnitPathLoss:
         self.shapes = {n: tuple(t.shape) for n, t in skeleton(b).tensors.items()}
         self.group = coupled(skeleton(b))
 
-    def _at(self, names: Sequence[str], g: GroupElement, t: float) -> Tensors:
-        """The weights ``names`` at ``t`` (in the model's dtype), mixed in the compute dtype
-        from A (read a tensor at a time) and B moved by ``g``, a group of `coupled` tensors at
-        a time (only its tensors read) and within a group a piece of `_blocks` at a time."""
-        out: Tensors = {}
+    def _moved(self, names: Sequence[str], g: GroupElement) -> Iterator[tuple[list[str], Tensors]]:
+        """B's tensors ``names`` moved by ``g`` (in the compute dtype), a group of `coupled`
+        tensors at a time (only its tensors read): each group's names among ``names`` with its
+        moved tensors. A graph is made when the caller has gradients on."""
         for k in sorted({self.group[n] for n in names}):
             members = [n for n, j in self.group.items() if j == k]
-            wanted = [n for n in members if n in names]
-            here = self._load(members)
-            ours = {n: self.a.tensor(n) for n in wanted}  # as stored
-            for n in wanted:
-                out[n] = torch.empty(self.shapes[n], dtype=self.lm.dtype)
-            for got, m, gb, cut in self._blocks(members, here, g):
-                moved = apply_element(m, gb).tensors
-                for n in (x for x in got if x in ours):
-                    a = ours[n] if n not in cut else ours[n].narrow(*cut[n])
-                    mixed = (1 - t) * a.to(self.dtype) + t * moved[n]
-                    (out[n] if n not in cut else out[n].narrow(*cut[n])).copy_(mixed)
-                del moved, m
-            del here, ours
+            moved = dict(apply_element(self._load(members), g).tensors)  # let go before the next
+            yield [n for n in names if self.group[n] == k], moved
+            del moved
+
+    def _at(self, names: Sequence[str], g: GroupElement, t: float) -> Tensors:
+        """The weights ``names`` at ``t`` (in the model's dtype), mixed in the compute dtype
+        from A (read a tensor at a time) and B moved by ``g`` (a group at a time; mixed in
+        `_blocks`' pieces instead, the peak at 7B widths rose: 3.95 -> 4.15 GiB, one run)."""
+        out: Tensors = {}
+        for group, moved in self._moved(names, g):
+            for n in group:
+                out[n] = ((1 - t) * self.a.tensor(n).to(self.dtype) + t * moved.pop(n)).to(self.lm.dtype)
         return out
 
     def _pull(self, g: GroupElement, t: float, cot: Tensors) -> None:
