@@ -535,9 +535,10 @@ def test_random_mutation_every_command(kind, single, tmp_path_factory, capsys, d
 
 
 def test_what_the_random_fuzz_found(single, tmp_path_factory, capsys):
-    """Two cases the random mutations found (both A and B the broken checkpoint): a space in the
-    token table's name (diff gave a TypeError deep in the fit) and a null boolean field (the
-    error said "the config" instead of naming the file)."""
+    """Three cases the random mutations found (both A and B the broken checkpoint): a space in
+    the token table's name (diff gave a TypeError deep in the fit), a null boolean field (the
+    error said "the config" instead of naming the file), and ``mlp_bias: true`` on a model
+    without MLP biases (canonicalize's transformers load named only the weights file)."""
     d = stage(single, tmp_path_factory.mktemp("found") / "table")
     edit_header(d, "model.safetensors",
                 lambda h: {k.replace("embed_tokens", "embed tokens"): v for k, v in h.items()})
@@ -550,6 +551,13 @@ def test_what_the_random_fuzz_found(single, tmp_path_factory, capsys):
     code = main(["diff", str(d), str(d), "--json"])
     err = capsys.readouterr().err
     assert code == 2 and "config.json" in err and "attention_bias" in err, err
+    d = stage(single, tmp_path_factory.mktemp("found") / "mlp-bias")
+    edit_json(d, "config.json", set_key("mlp_bias", True))
+    out = tmp_path_factory.mktemp("found-out") / "out"
+    code = main([*argv("canonicalize", d, d, out), "--json"])
+    assert_one_error(code, capsys.readouterr().err, "config.json",
+                     ["model.safetensors", "mlp.down_proj.bias"])
+    assert not out.exists()
 
 
 # ---- audit --plot: the format is checked before the work ---------------------------------

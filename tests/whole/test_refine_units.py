@@ -31,9 +31,16 @@ from attnid.whole.transforms.state import ModelTensors
 ALPHAS = (0.3, 0.5)
 
 
-def pair(family: str, **config):
+def pair(family: str, uniform: bool = False, **config):
+    """A and B (seeds 0 and 1) and B aligned onto A; ``uniform``: the final norm's gain 1.3 in
+    both (a tied head behind it then rotates with its table)."""
     conf = {**FAMILIES[family], **config}
     A, C = tiny_model(conf, seed=0), tiny_model(conf, seed=1)
+    if uniform:
+        final = as_tensors(A).layout.final.path
+        with torch.no_grad():
+            for m in (A, C):
+                m.get_submodule(final).weight.fill_(1.3)
     al = align(A, C)
     return conf, A, al
 
@@ -57,10 +64,29 @@ CAUSAL = [f for f, c in FAMILIES.items() if not c["architectures"][0].endswith("
 @pytest.mark.parametrize("pieces", [False, True])  # tables, heads, MLPs 5 rows, 6 tokens at a time
 @pytest.mark.parametrize("family", CAUSAL)
 def test_the_gradient_is_the_whole_models(family, pieces, monkeypatch):
+    compare_gradients(family, pieces, monkeypatch)
+
+
+@pytest.mark.filterwarnings("ignore:Converting a tensor with requires_grad")
+@pytest.mark.parametrize("pieces", [False, True])
+@pytest.mark.parametrize(("family", "config"),
+                         [("llama-tied", {}), ("gpt2-untied", {"tie_word_embeddings": True})])
+def test_the_gradient_through_a_tied_table(family, config, pieces, monkeypatch):
+    """A tied head behind a uniform final gain rotates with its table: the rotation's gradient
+    takes the table's from the head's part and from the tables' part, behind an RMSNorm and a
+    LayerNorm (whose bias rotates too). (The catalogue's tied models have non-uniform final
+    gains: no rotation, so no gradient reaches a tied table there.)"""
+    parts = compare_gradients(family, pieces, monkeypatch, uniform=True, **config)
+    assert "rotation" in parts, f"{family}: the tied stream did not rotate ({parts})"
+
+
+def compare_gradients(family: str, pieces: bool, monkeypatch, uniform: bool = False, **config) -> list[str]:
+    """The refinement's objective and gradient a unit at a time against the whole model's, at a
+    random element; the parts refined."""
     if pieces:  # 3 sequences of 6 tokens: each part after the forward one sequence at a time
         monkeypatch.setattr(refine_units_module, "BLOCK", 5)
         monkeypatch.setattr(refine_units_module, "MICRO_TOKENS", 6)
-    conf, A, al = pair(family)
+    conf, A, al = pair(family, uniform, **config)
     B = al.model
     parts = refinable_parts(B, "full", al.stream_permutation is not None)
     ids = torch.randint(0, A.config.vocab_size, (3, 6), generator=torch.Generator().manual_seed(0))
@@ -90,6 +116,7 @@ def test_the_gradient_is_the_whole_models(family, pieces, monkeypatch):
     errs = {n: rel(gu[n], gw[n]) for n in gw}
     worst = max(errs, key=errs.__getitem__)
     assert errs[worst] <= 1e-12, f"{family}: gradient of {worst} {errs[worst]:.1e} from the whole model's"
+    return list(parts)
 
 
 @pytest.mark.parametrize("family", ["llama-gqa", "llama-tied", "gpt2-untied", "phi3"])

@@ -106,7 +106,8 @@ def end_to_end(src: Path, out: Path, config: dict[str, Any], *, float64: bool = 
         files = ", ".join(str(p) for p in weight_files(src))
         raise AttnidError(f"{files}: transformers finds no stored tensor for {missing[0]}"
                           + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
-                          + f" of {loader.__name__}; nothing was written")
+                          + f" of {loader.__name__} as {src / 'config.json'} describes it (a config and "
+                          "weights that disagree); nothing was written")
     vocab = int(config.get("vocab_size", 100))
     ids = torch.randint(0, min(vocab, 1000), (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad(), mode():

@@ -28,10 +28,12 @@ batch's. Each weight gradient is then pulled back to ``g`` (`UnitPathLoss._pull`
 gradients reach ``g``'s tensors (the stream rotation, each layer's maps, the gains) held as
 leaves, and from them the refinement's parameters in one more backward, with the element made
 again with its graph (the passes use it without one). Each step reads every layer unit three
-times per point (forward, the weights at ``t``, the pull) and the tables and head twice each;
+times per point (forward, the weights at ``t``, the pull), B's tables three times and head
+twice, A's tables twice and head once;
 what is held at once is one unit's weights at ``t`` and their gradient (in the model's dtype),
 one group's graph (in the compute dtype), A read a tensor at a time, the tables and head at
-``t`` through the forward and the head's part, and the kept states.
+``t`` through the forward and the head's part, the kept states, and for a tied model the
+table's gradient from the head's part (until the tables' part adds to it).
 """
 
 from __future__ import annotations
@@ -68,8 +70,10 @@ def skeleton(src: Any) -> ModelTensors:
 
 def coupled(shape: ModelTensors) -> dict[str, int]:
     """Each tensor's group: tensors a transform of `apply_element` changes together (a norm with
-    its readers, a layer's attention, an MLP with its gate, a tied head with its table) share
-    one; the rest are each their own. A group is moved alone as it would be with its unit."""
+    its readers, a layer's attention, an MLP with its gate) share one; the rest are each their
+    own. A group is moved alone as it would be with its unit. A tied head is its table, not a
+    tensor of its own (a stored copy of it joins the table); the tied final norm moves only its
+    own bias."""
     lay, names = shape.layout, list(shape.tensors)
     parent = {n: n for n in names}
 
@@ -350,10 +354,10 @@ class UnitPathLoss:
             return loss
         up = torch.cat(ups)
         cot = {n: w.grad for n, w in rest.items() if w.grad is not None}
-        # a tied table's, pulled with the tables' part
+        # a tied table's, pulled with the tables' part (held through the layers: [V, d])
         held = {n: cot.pop(n).to(self.dtype) for n in list(cot) if self.a.unit_of[n] == 0}
         rest.clear()
-        del last, top
+        del last, top, ups
         self._pull(g, t, cot)
         for i in reversed(range(L)):
             a, kw = kept[i]
@@ -375,7 +379,7 @@ class UnitPathLoss:
             kept[i] = ((), {})
             prefix = lm.prefixes[i]
             cot = {prefix + n: v.grad for n, v in w.items() if v.grad is not None}
-            del w
+            del w, a, kw, ap, kwp, x, ups  # the layer's input (views of it) let go before the pull
             self._pull(g, t, cot)
 
         def stop(i: int, args: tuple, kwargs: dict) -> Any:
