@@ -174,16 +174,19 @@ class UnitPathLoss:
                  dtype: torch.dtype = torch.float64) -> None:
         self.lm, self.a, self.b, self.alphas, self.dtype = lm, a, b, tuple(alphas), dtype
         self.L = lm.L
-        self.shapes = {n: tuple(t.shape) for n, t in skeleton(b).tensors.items()}
-        self.group = coupled(skeleton(b))
+        shape = skeleton(b)  # reads B's final gain
+        self.shapes = {n: tuple(t.shape) for n, t in shape.tensors.items()}
+        self.group = coupled(shape)
+        self.members: dict[int, list[str]] = {}  # each group's names
+        for n, k in self.group.items():
+            self.members.setdefault(k, []).append(n)
 
     def _moved(self, names: Sequence[str], g: GroupElement) -> Iterator[tuple[list[str], Tensors]]:
         """B's tensors ``names`` moved by ``g`` (in the compute dtype), a group of `coupled`
         tensors at a time (only its tensors read): each group's names among ``names`` with its
         moved tensors. A graph is made when the caller has gradients on."""
         for k in sorted({self.group[n] for n in names}):
-            members = [n for n, j in self.group.items() if j == k]
-            moved = dict(apply_element(self._load(members), g).tensors)  # let go before the next
+            moved = dict(apply_element(self._load(self.members[k]), g).tensors)  # let go before the next
             yield [n for n in names if self.group[n] == k], moved
             del moved
 
@@ -204,9 +207,8 @@ class UnitPathLoss:
         that `_blocks` splits is moved ``BLOCK`` rows (tokens, neurons) at a time: its graph,
         several copies of what it moves, is then that of a block."""
         for k in sorted({self.group[n] for n in cot}):
-            members = [n for n, j in self.group.items() if j == k]
-            self._pull_group(members, g, t, cot)
-            for n in members:
+            self._pull_group(self.members[k], g, t, cot)
+            for n in self.members[k]:
                 cot.pop(n, None)
 
     def _pull_group(self, members: Sequence[str], g: GroupElement, t: float, cot: Tensors) -> None:
@@ -331,7 +333,8 @@ class UnitPathLoss:
         if ran[0] != L:
             raise AttnidError(f"internal: the forward ran {ran[0]} of {L} layers")
         b = ids.shape[0]
-        parts = [slice(j, j + self.micro(ids)) for j in range(0, b, self.micro(ids))]
+        m = self.micro(ids)
+        parts = [slice(j, j + m) for j in range(0, b, m)]
         units = {self.a.unit_of[n] for n in rest}
         tail = units - {0} if not self.a.layout.tied else units  # the head reads a tied table
         if grad:
