@@ -177,6 +177,38 @@ def test_pair_fit_beats_its_starts():
     assert bool((f(gl) <= f(orth) + 1e-12).all()) and bool((f(orth) <= f(eye) + 1e-12).all())
 
 
+def test_pair_fit_is_not_refined_within_the_storage_rounding(monkeypatch):
+    """A gauge fit that starts within ``rounding`` of A in every group (B an exact rewrite of A
+    stored in bfloat16) skips the L-BFGS refinement, and ends as close as the refined fit up to
+    that rounding; a start above it (unrelated groups) is still refined."""
+    XA, YA = torch.randn(3, 64, 8, generator=gen(0)), torch.randn(3, 48, 8, generator=gen(1))
+    M = torch.randn(3, 8, 8, generator=gen(2), dtype=torch.float64) + 3 * torch.eye(8).double()
+    XB = (XA.double() @ torch.linalg.inv(M)).bfloat16().float()  # stored in bfloat16
+    YB = (YA.double() @ M.mT).bfloat16().float()
+    XA, YA = XA.bfloat16().float(), YA.bfloat16().float()
+    runs = []
+    real = torch.optim.LBFGS
+
+    def counted(*args, **kwargs):
+        runs.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.optim, "LBFGS", counted)
+    eps = torch.finfo(torch.bfloat16).eps
+    refined = pair_fit(XB, XA, YB, YA, "gl")
+    assert len(runs) == 1, "without a rounding the fit is refined"
+    kept = pair_fit(XB, XA, YB, YA, "gl", rounding=eps / 2)
+    assert len(runs) == 1, "a start within the bfloat16 rounding was refined"
+    scale = float(XA.norm() ** 2 + YA.norm() ** 2)
+    f = lambda M: float(objective(XB, XA, YB, YA, M).sum()) / scale  # noqa: E731
+    assert f(kept) <= (eps / 2) ** 2, f"the kept fit leaves {f(kept) ** 0.5:.2e} of ||A|| (rounding {eps / 2:.1e})"
+    assert f(kept) - f(refined) <= 0.1 * (eps / 2) ** 2, (
+        f"refining would have gained {(f(kept) - f(refined)) ** 0.5:.2e}, more than a tenth of the rounding")
+    other = torch.randn(3, 64, 8, generator=gen(3)), torch.randn(3, 48, 8, generator=gen(4))
+    pair_fit(other[0], XA, other[1], YA, "gl", rounding=eps / 2)
+    assert len(runs) == 2, "an unrelated pair, far above the rounding, was not refined"
+
+
 @pytest.mark.parametrize("positive", [False, True])
 def test_scalar_fit_is_the_global_minimum(positive):
     a, b, p, q = (torch.rand(50, generator=gen(k), dtype=torch.float64) * 2 - (k % 2) for k in range(4))
@@ -353,7 +385,7 @@ def test_a_unit_at_rounding_adds_a_own_gram_to_the_refit(monkeypatch):
 
     def run(exact: bool):
         def unit(*x, **k):
-            r = align_unit(*x, **(k | {"cross_above": -1.0} if exact else k))
+            r = align_unit(*x, **(k | {"rounding": -1.0} if exact else k))
             crossed.append((exact, x[2], r.cross))
             return r
 

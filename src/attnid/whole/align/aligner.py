@@ -244,18 +244,24 @@ def _vo_pairs(m: ModelTensors, i: int) -> tuple[torch.Tensor, torch.Tensor]:
     return X, Y
 
 
-def fit_attention(a: ModelTensors, b: ModelTensors, i: int, kind: Kind
-                  ) -> tuple[ModelTensors, torch.Tensor | None, torch.Tensor]:
-    """B after layer ``i``'s Q/K and V/O gauges, and the gauges ``(M, C)``."""
+def fit_query_key(a: ModelTensors, b: ModelTensors, i: int, kind: Kind, rounding: float = 0.0
+                  ) -> tuple[ModelTensors, torch.Tensor | None]:
+    """B after layer ``i``'s Q/K gauge, and the gauge ``M`` (None under a Q/K norm, which
+    leaves none); ``rounding``: `gauges.pair_fit`'s."""
     spec = b.spec(i)
-    M = None
-    if spec.qk_norm == "none":
-        (XA, YA), (XB, YB) = _qk_pairs(a, i), _qk_pairs(b, i)
-        M = pair_fit(XB, XA, YB, YA, kind, spec)
-        b = query_key_transform(b, i, M)
+    if spec.qk_norm != "none":
+        return b, None
+    (XA, YA), (XB, YB) = _qk_pairs(a, i), _qk_pairs(b, i)
+    M = pair_fit(XB, XA, YB, YA, kind, spec, rounding=rounding)
+    return query_key_transform(b, i, M), M
+
+
+def fit_value_output(a: ModelTensors, b: ModelTensors, i: int, kind: Kind, rounding: float = 0.0
+                     ) -> tuple[ModelTensors, torch.Tensor]:
+    """B after layer ``i``'s V/O gauge, and the gauge ``C``; ``rounding``: `gauges.pair_fit`'s."""
     (XA, YA), (XB, YB) = _vo_pairs(a, i), _vo_pairs(b, i)
-    Cv = pair_fit(XB, XA, YB, YA, kind)
-    return value_transform(b, i, Cv), M, Cv
+    Cv = pair_fit(XB, XA, YB, YA, kind, rounding=rounding)
+    return value_transform(b, i, Cv), Cv
 
 
 # ---- 4. MLP scales and norm gains ------------------------------------------------------------------
@@ -332,12 +338,13 @@ class UnitAligned:
 
 
 def align_unit(a: ModelTensors, b: ModelTensors | Callable[[], ModelTensors], unit: int,
-               own: list[str], plan: Plan, with_cross: bool = False, cross_above: float = 0.0
+               own: list[str], plan: Plan, with_cross: bool = False, rounding: float = 0.0
                ) -> UnitAligned:
     """Unit ``unit`` of B (its ``own`` tensors and the extras it reads) aligned onto A's by
     ``plan`` and then every later part of the group (each acts within a unit, so a whole model
-    is aligned unit by unit; docs/theory.md §13.20). ``with_cross``: also the stream cross
-    product, unless the aligned unit is within ``cross_above`` of ``||A||`` over the unit.
+    is aligned unit by unit; docs/theory.md §13.20). ``rounding``: B's storage rounding
+    (``eps / 2``; 0: none), within which a gauge fit is not refined. ``with_cross``: also the
+    stream cross product, unless the aligned unit is within ``rounding`` of ``||A||`` over it.
     ``b`` may be a function that loads the unit: then no caller holds B's tensors as they were,
     and each stage's input is freed once the next is made (a 7B layer's float32 copy is 0.8 GB)."""
     b = b() if callable(b) else b
@@ -368,9 +375,11 @@ def align_unit(a: ModelTensors, b: ModelTensors | Callable[[], ModelTensors], un
         b, layer["heads"], layer["neurons"] = fit_permutations(a, b, i, plan.acts)
     stage("permutations", b)
     if in_layer and subgroup != "permutations":
-        b, M, Cv = fit_attention(a, b, i, "gl" if subgroup == "full" else "orthogonal")
+        kind: Kind = "gl" if subgroup == "full" else "orthogonal"
+        b, M = fit_query_key(a, b, i, kind, rounding)
+        stage("qk", b)
+        b, Cv = fit_value_output(a, b, i, kind, rounding)
         layer |= {k: v for k, v in (("qk", M), ("vo", Cv)) if v is not None}
-        stage("qk", value_transform(b, i, torch.linalg.inv(Cv)))  # the Q/K gauge, not yet the V/O one
     else:
         stage("qk", b)
     stage("vo", b)
@@ -388,7 +397,7 @@ def align_unit(a: ModelTensors, b: ModelTensors | Callable[[], ModelTensors], un
     dist["aligned"] = dist["additive"]
     scale = unit_norm(a, own)
     M = None
-    if with_cross and dist["aligned"] > cross_above * scale:
+    if with_cross and dist["aligned"] > rounding * scale:
         M = cross(_own(a, mine), _own(b, mine))
     return UnitAligned(b, layer, gains, dist, M, scale)
 
@@ -451,7 +460,7 @@ class _Pass:
 
     def full_cross(self, a: UnitSource, dtype: torch.dtype | None) -> torch.Tensor:
         """The stream cross product over every unit: a unit already within ``eps / 2`` of A's
-        (`align_unit`'s ``cross_above``: its stored numbers are A's up to rounding) was given
+        (`align_unit`'s ``rounding``: its stored numbers are A's up to rounding) was given
         none, and adds A's own ``X_A^T X_A``, its cross product up to that rounding, made now
         that a round is tried (A's unit read again) and never in a pass that ends at rounding."""
         M = self.cross
@@ -500,7 +509,7 @@ def align_sources(a: UnitSource, b: UnitSource, out: Output, *, subgroup: Subgro
         def compute(u: int) -> UnitAligned:
             read_ahead((a,), u + 1, u + 2)  # A's next units, read while this one computes (B's: the output)
             r = align_unit(a.load(u, dtype), lambda: b.load(u, dtype), u, b.names(u), p, with_cross=moves,
-                           cross_above=eps / 2)
+                           rounding=eps / 2)
             if r.cross is not None:
                 summed[:] = [r.cross if not summed else summed[0] + r.cross]
             elif moves:

@@ -102,9 +102,11 @@ def _one_sided(g: Grams, spec: AttentionSpec | None) -> torch.Tensor:
 
 
 def pair_fit(XB: torch.Tensor, XA: torch.Tensor, YB: torch.Tensor, YA: torch.Tensor, kind: Kind,
-             spec: AttentionSpec | None = None, steps: int = 60) -> torch.Tensor:
+             spec: AttentionSpec | None = None, steps: int = 60, rounding: float = 0.0) -> torch.Tensor:
     """``M [G, k, k]`` minimising :func:`objective` (see the module), in ``XB``'s dtype;
-    ``spec``: stay in its RoPE commutant (Q/K). Fitted on the float64 `Grams`."""
+    ``spec``: stay in its RoPE commutant (Q/K). Fitted on the float64 `Grams`. ``rounding``:
+    the relative rounding of the checkpoints' storage (``eps / 2``); a start that leaves every
+    group within it of ``||[X_A; Y_A]||`` is not refined (what is written is rounded by as much)."""
     g = Grams.of(XB, XA, YB, YA)
     M = _orthogonal(g, spec)
     if kind == "gl":
@@ -114,18 +116,19 @@ def pair_fit(XB: torch.Tensor, XA: torch.Tensor, YB: torch.Tensor, YA: torch.Ten
             cands.append(ls)
         costs = torch.stack([g.objective(c) for c in cands])  # [n, G]
         best = torch.stack([cands[int(k)][i] for i, k in enumerate(costs.argmin(0))])
-        M = _refine(XB, XA, YB, YA, g, best, spec, steps)
+        M = _refine(XB, XA, YB, YA, g, best, spec, steps, rounding)
     return M.to(XB.dtype)
 
 
 def _refine(XB: torch.Tensor, XA: torch.Tensor, YB: torch.Tensor, YA: torch.Tensor, g: Grams,
-            M0: torch.Tensor, spec: AttentionSpec | None, steps: int) -> torch.Tensor:
+            M0: torch.Tensor, spec: AttentionSpec | None, steps: int, rounding: float = 0.0) -> torch.Tensor:
     """L-BFGS from ``M0`` on the blocks ``g``; each group kept only where it improves, judged
     by :func:`objective` on the weights themselves (the blocks' cancellation cannot tell two
-    fits apart at rounding)."""
+    fits apart at rounding). Not run when every group starts within ``rounding`` (relative)."""
     start = objective(XB, XA, YB, YA, M0.to(XB.dtype))
     scale = float(g.aa.sum() + g.bb.sum())
-    if steps == 0 or float(start.max()) <= 1e-24 * max(scale, 1e-300):
+    floor = torch.clamp_min(max(rounding, 0.0) ** 2 * (g.aa + g.bb), 1e-24 * max(scale, 1e-300))
+    if steps == 0 or bool((start.double() <= floor).all()):
         return M0
     P = M0.clone().requires_grad_(True)
     opt = torch.optim.LBFGS([P], max_iter=steps, line_search_fn="strong_wolfe", tolerance_grad=1e-14,
