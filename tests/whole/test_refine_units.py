@@ -221,6 +221,36 @@ def test_one_group_of_a_layer_at_a_time():
     assert a.loads == 0 and a.reads >= 2 * 6 * 2 * 9, (a.loads, a.reads)  # 9 tensors a Llama layer
 
 
+def test_the_largest_gradient_is_pulled_first(monkeypatch):
+    """Within each pull (the head's, each layer's, the tables'), the groups go largest gradient
+    first: a layer's MLP (its gradient the larger) before its attention, which is moved whole."""
+    _, A, al = pair("llama-gqa", num_hidden_layers=2, intermediate_size=96)
+    ids = torch.randint(0, A.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(0))
+    pulls: list[list[tuple[int, frozenset]]] = []
+    pull, group = UnitPathLoss._pull, UnitPathLoss._pull_group
+
+    def outer(self, g, t, cot):
+        pulls.append([])
+        return pull(self, g, t, cot)
+
+    def inner(self, members, g, t, cot):
+        pulls[-1].append((sum(cot[n].numel() for n in members if n in cot), frozenset(members)))
+        return group(self, members, g, t, cot)
+
+    monkeypatch.setattr(UnitPathLoss, "_pull", outer)
+    monkeypatch.setattr(UnitPathLoss, "_pull_group", inner)
+    a = as_tensors(A)
+    refine_units(SplitSource(a), SplitSource(al.model), LayerwiseLM(SplitSource(a), torch.float64, eager=True),
+                 ids, 1, batch=2, permuted_stream=al.stream_permutation is not None)
+    layers = [p for p in pulls if any(any("mlp" in n for n in m) for _, m in p)]
+    assert len(layers) == 2, f"{len(layers)} layer pulls (2 layers, one step)"
+    for p in pulls:
+        sizes = [k for k, _ in p]
+        assert sizes == sorted(sizes, reverse=True), f"groups pulled in gradient sizes {sizes}"
+    for p in layers:
+        assert any("mlp" in n for n in p[0][1]), "a layer's attention was pulled before its MLP"
+
+
 @pytest.mark.filterwarnings("ignore:Converting a tensor with requires_grad")
 @pytest.mark.parametrize("where", ["the identity", "a random element"])
 def test_a_float32_graph_gives_every_gradient(where):

@@ -235,6 +235,8 @@ def descend(theta: Parameters, chosen: tuple[str, ...], steps: int, calibration:
                 bar(k + 1, trace[-1])
         finally:
             bar.close()  # type: ignore[attr-defined]
+    opt.zero_grad(set_to_none=True)
+    del opt  # its moments and the gradients (three [d, d] float64 for a rotation) before the last pass
     with torch.no_grad():
         g = theta.element()
         after = full(g)

@@ -156,6 +156,17 @@ def _with_hidden(args: tuple, kwargs: dict, x: torch.Tensor) -> tuple[tuple, dic
     return args, {**kwargs, "hidden_states": x}
 
 
+def _stop(i: int, args: tuple, kwargs: dict) -> Any:
+    """A slot's work that ends the forward at the first layer, handing back its input."""
+    raise _Stop(_hidden(args, kwargs))
+
+
+def _hollow(w: torch.Tensor) -> torch.Tensor:
+    """A tensor of ``w``'s shape and dtype holding no memory (zeros, every stride 0): a table
+    the forward must be given but whose rows no slot reads."""
+    return w.new_zeros(()).expand(w.shape)
+
+
 def _first(out: Any) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out[0]
 
@@ -192,12 +203,17 @@ class UnitPathLoss:
 
     def _at(self, names: Sequence[str], g: GroupElement, t: float) -> Tensors:
         """The weights ``names`` at ``t`` (in the model's dtype), mixed in the compute dtype
-        from A (read a tensor at a time) and B moved by ``g`` (a group at a time; mixed in
-        `_blocks`' pieces instead, the peak at 7B widths rose: 3.95 -> 4.15 GiB, one run)."""
+        from A (read a tensor at a time, widened in the sum rather than copied) and B moved by
+        ``g`` (a group at a time; mixed in `_blocks`' pieces instead, the peak at 7B widths
+        rose: 3.95 -> 4.15 GiB, one run)."""
         out: Tensors = {}
         for group, moved in self._moved(names, g):
             for n in group:
-                out[n] = ((1 - t) * self.a.tensor(n).to(self.dtype) + t * moved.pop(n)).to(self.lm.dtype)
+                w = moved.pop(n)
+                x = self.a.tensor(n)  # as stored: widened element by element in the sum, not copied
+                x = x if torch.promote_types(x.dtype, w.dtype) == w.dtype else x.to(w.dtype)
+                out[n] = (w * t).add_(x, alpha=1 - t).to(self.lm.dtype)
+                del w, x
         return out
 
     def _pull(self, g: GroupElement, t: float, cot: Tensors) -> None:
@@ -205,8 +221,13 @@ class UnitPathLoss:
         leaves: B's tensors moved by ``g`` again, a group at a time with a graph, and the
         vector-Jacobian product taken (d/d moved of ``(1 - t) A + t moved`` is ``t``). A group
         that `_blocks` splits is moved ``BLOCK`` rows (tokens, neurons) at a time: its graph,
-        several copies of what it moves, is then that of a block."""
-        for k in sorted({self.group[n] for n in cot}):
+        several copies of what it moves, is then that of a block. The group with the largest
+        gradient goes first, so that a group moved whole (a layer's attention) is moved with
+        the least of the others' gradients still held (at 7B widths its MLP's, 0.5 GiB)."""
+        size: dict[int, int] = {}
+        for n, d in cot.items():
+            size[self.group[n]] = size.get(self.group[n], 0) + d.numel()
+        for k in sorted(size, key=lambda k: (-size[k], k)):
             self._pull_group(self.members[k], g, t, cot)
             for n in self.members[k]:
                 cot.pop(n, None)
@@ -303,7 +324,9 @@ class UnitPathLoss:
 
     def _point(self, g: GroupElement, t: float, ids: torch.Tensor, grad: bool) -> torch.Tensor:
         """The loss at ``t`` on ``ids``; with ``grad``, its gradient pushed into ``g``'s leaves:
-        the forward without a graph, keeping each layer's input, stopped after the last layer;
+        the forward without a graph, keeping each layer's input, stopped after the last layer
+        (an untied model's tables give layer 0's input first and are let go: 0.5 GiB of
+        float32 at 7B widths not held through the layers);
         the head's part (the forward again, every slot handing back the last layer's output),
         which gives the loss; each layer's, last to first; the tables', through a forward that
         stops at the first slot. Every part after the first runs ``MICRO_TOKENS`` tokens of
@@ -311,9 +334,11 @@ class UnitPathLoss:
         lm, L = self.lm, self.L
         kept: list[tuple[tuple, dict]] = []
         ran = [0]
+        start: torch.Tensor | None = None
 
         def run(i: int, args: tuple, kwargs: dict) -> Any:
-            a, kw = _with_hidden(args, kwargs, _hidden(args, kwargs).detach())
+            x = start if i == 0 and start is not None else _hidden(args, kwargs).detach()
+            a, kw = _with_hidden(args, kwargs, x)
             out = torch.func.functional_call(lm.layers[i], self._layer(i, g, t), a, kw)
             ran[0] += 1
             if grad:  # what each layer's part starts from
@@ -323,7 +348,14 @@ class UnitPathLoss:
             return out
 
         with torch.no_grad():
-            rest = self._rest(g, t)
+            if self.a.layout.tied:
+                rest = self._rest(g, t)
+            else:  # the tables only give layer 0's input: let go before the head is mixed
+                tables = self._rest(g, t, [0])
+                start = self._start(tables, ids)
+                rest = {n: _hollow(w) for n, w in tables.items()}
+                del tables
+                rest |= self._rest(g, t, sorted({self.a.unit_of[n] for n in self.lm.rest} - {0}))
             try:
                 self._forward(rest, ids, run)
             except _Stop as s:
@@ -385,9 +417,6 @@ class UnitPathLoss:
             del w, a, kw, ap, kwp, x, ups  # the layer's input (views of it) let go before the pull
             self._pull(g, t, cot)
 
-        def stop(i: int, args: tuple, kwargs: dict) -> Any:
-            raise _Stop(_hidden(args, kwargs))
-
         with torch.no_grad():
             tables = self._rest(g, t, sorted(units - {L + 1}))
         for w in tables.values():
@@ -395,7 +424,7 @@ class UnitPathLoss:
         for p in parts:
             with torch.enable_grad():
                 try:
-                    self._forward(tables, ids[p], stop)
+                    self._forward(tables, ids[p], _stop)
                 except _Stop as s:
                     if s.x.requires_grad:
                         s.x.backward(up[p])
@@ -407,6 +436,15 @@ class UnitPathLoss:
         tables.clear()
         self._pull(g, t, cot)
         return loss
+
+    def _start(self, tables: Tensors, ids: torch.Tensor) -> torch.Tensor:
+        """Layer 0's input on ``ids`` from the weights ``tables`` (a forward stopped at the first
+        slot)."""
+        try:
+            self._forward(tables, ids, _stop)
+        except _Stop as s:
+            return s.x
+        raise AttnidError("internal: the forward did not reach the first layer")
 
     def micro(self, ids: torch.Tensor) -> int:
         """Sequences of ``ids`` per part after the forward (`MICRO_TOKENS` tokens, at least one)."""
