@@ -201,7 +201,8 @@ def test_pair_fit_is_not_refined_within_the_storage_rounding(monkeypatch):
     assert len(runs) == 1, "a start within the bfloat16 rounding was refined"
     scale = float(XA.norm() ** 2 + YA.norm() ** 2)
     f = lambda M: float(objective(XB, XA, YB, YA, M).sum()) / scale  # noqa: E731
-    assert f(kept) <= (eps / 2) ** 2, f"the kept fit leaves {f(kept) ** 0.5:.2e} of ||A|| (rounding {eps / 2:.1e})"
+    assert f(kept) <= (eps / 2) ** 2, (
+        f"the kept fit leaves {f(kept) ** 0.5:.2e} of ||A|| (rounding {eps / 2:.1e})")
     assert f(kept) - f(refined) <= 0.1 * (eps / 2) ** 2, (
         f"refining would have gained {(f(kept) - f(refined)) ** 0.5:.2e}, more than a tenth of the rounding")
     other = torch.randn(3, 64, 8, generator=gen(3)), torch.randn(3, 48, 8, generator=gen(4))

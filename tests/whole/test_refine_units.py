@@ -240,8 +240,9 @@ def test_the_largest_gradient_is_pulled_first(monkeypatch):
     monkeypatch.setattr(UnitPathLoss, "_pull", outer)
     monkeypatch.setattr(UnitPathLoss, "_pull_group", inner)
     a = as_tensors(A)
-    refine_units(SplitSource(a), SplitSource(al.model), LayerwiseLM(SplitSource(a), torch.float64, eager=True),
-                 ids, 1, batch=2, permuted_stream=al.stream_permutation is not None)
+    lm = LayerwiseLM(SplitSource(a), torch.float64, eager=True)
+    refine_units(SplitSource(a), SplitSource(al.model), lm, ids, 1, batch=2,
+                 permuted_stream=al.stream_permutation is not None)
     layers = [p for p in pulls if any(any("mlp" in n for n in m) for _, m in p)]
     assert len(layers) == 2, f"{len(layers)} layer pulls (2 layers, one step)"
     for p in pulls:
