@@ -148,7 +148,7 @@ class _Away:
     def __init__(self, params) -> None:
         self.params = list(params)
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:  # as torch.optim.Optimizer's
         for q in self.params:
             q.grad = None
 
