@@ -538,7 +538,9 @@ def test_what_the_random_fuzz_found(single, tmp_path_factory, capsys):
     """Three cases the random mutations found (both A and B the broken checkpoint): a space in
     the token table's name (diff gave a TypeError deep in the fit), a null boolean field (the
     error said "the config" instead of naming the file), and ``mlp_bias: true`` on a model
-    without MLP biases (canonicalize's transformers load named only the weights file)."""
+    without MLP biases (canonicalize's transformers load named only the weights file); and a
+    layer count near 10^9 (canonicalize's list of per-layer specs took 22 GB before any file
+    was read: refused above `MAX_LAYERS`)."""
     d = stage(single, tmp_path_factory.mktemp("found") / "table")
     edit_header(d, "model.safetensors",
                 lambda h: {k.replace("embed_tokens", "embed tokens"): v for k, v in h.items()})
@@ -558,6 +560,13 @@ def test_what_the_random_fuzz_found(single, tmp_path_factory, capsys):
     assert_one_error(code, capsys.readouterr().err, "config.json",
                      ["model.safetensors", "mlp.down_proj.bias"])
     assert not out.exists()
+    d = stage(single, tmp_path_factory.mktemp("found") / "layers")
+    edit_json(d, "config.json", set_key("num_hidden_layers", 1_073_741_824))
+    for cmd in ("audit", "diff-a", "canonicalize"):
+        out = tmp_path_factory.mktemp("found-out") / "out"
+        code = main([*argv(cmd, d, d, out), "--json"])
+        assert_one_error(code, capsys.readouterr().err, "config.json", ["num_hidden_layers", "65,536"])
+        assert not out.exists()
 
 
 # ---- audit --plot: the format is checked before the work ---------------------------------

@@ -90,6 +90,20 @@ def cfg_int(config: Config, *keys: str, default: Any = _MISSING, positive: bool 
     return int(value)
 
 
+MAX_LAYERS = 2**16  # the deepest published transformers have a few hundred
+
+
+def cfg_layers(config: Config, *keys: str) -> int:
+    """A layer count (`cfg_int`), refused above `MAX_LAYERS` before any per-layer list is made
+    (the random config fuzz found a count near 10^9: its list of specs took 22 GB)."""
+    n = cfg_int(config, *keys)
+    if n > MAX_LAYERS:
+        key = _present(config, keys)[0]  # type: ignore[index]
+        raise AttnidError(f"{source_of(config)}: {key!r} is {n:,}: more layers than attnid reads "
+                          f"(at most {MAX_LAYERS:,})")
+    return n
+
+
 def cfg_float(config: Config, *keys: str, default: Any = _MISSING, minimum: float = -math.inf,
               value: Any = _MISSING) -> Any:
     """The first present key as a finite number ``>= minimum`` (``default`` when absent);
@@ -196,7 +210,7 @@ class Adapter:
 
     # ---- config -> specs ------------------------------------------------------------
     def n_layers(self, c: Config) -> int:
-        return cfg_int(c, "num_hidden_layers", "n_layer", "num_layers")
+        return cfg_layers(c, "num_hidden_layers", "n_layer", "num_layers")
 
     def spec(self, c: Config) -> AttentionSpec:
         d = cfg_int(c, "hidden_size", "n_embd", "d_model")

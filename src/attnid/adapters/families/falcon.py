@@ -12,6 +12,7 @@ from attnid.adapters.base import (
     cfg_bool,
     cfg_float,
     cfg_int,
+    cfg_layers,
     config_spec,
     fused_names,
     merge_heads_out,
@@ -34,7 +35,7 @@ class Falcon(Adapter):
     tie_default = True
 
     def n_layers(self, c: Config) -> int:
-        return cfg_int(c, "num_hidden_layers", "n_layer")
+        return cfg_layers(c, "num_hidden_layers", "n_layer")
 
     def spec(self, c: Config) -> AttentionSpec:
         d = cfg_int(c, "hidden_size")
