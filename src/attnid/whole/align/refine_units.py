@@ -29,11 +29,12 @@ gradients reach ``g``'s tensors (the stream rotation, each layer's maps, the gai
 leaves, and from them the refinement's parameters in one more backward, with the element made
 again with its graph (the passes use it without one). Each step reads every layer unit three
 times per point (forward, the weights at ``t``, the pull), B's tables three times and head
-twice, A's tables twice and head once;
+twice (a tied table once more: each part of its gradient is pulled as it comes), A's tables
+twice and head once;
 what is held at once is one unit's weights at ``t`` and their gradient (in the model's dtype),
-one group's graph (in the compute dtype), A read a tensor at a time, the tables and head at
-``t`` through the forward and the head's part, the kept states, and for a tied model the
-table's gradient from the head's part (until the tables' part adds to it).
+one group's graph (in the compute dtype), A read a tensor at a time, the head at ``t`` through
+the forward and the head's part (an untied model's tables are let go after layer 0's input),
+and the kept states.
 """
 
 from __future__ import annotations
@@ -388,9 +389,9 @@ class UnitPathLoss:
         if not grad:
             return loss
         up = torch.cat(ups)
+        # a tied table's part of it pulled now and its part through layer 0's input later (the
+        # pull is linear in the gradient: the table moved twice instead of [V, d] held)
         cot = {n: w.grad for n, w in rest.items() if w.grad is not None}
-        # a tied table's, pulled with the tables' part (held through the layers: [V, d])
-        held = {n: cot.pop(n).to(self.dtype) for n in list(cot) if self.a.unit_of[n] == 0}
         rest.clear()
         del last, top, ups
         self._pull(g, t, cot)
@@ -431,8 +432,6 @@ class UnitPathLoss:
                 else:
                     raise AttnidError("internal: the forward did not reach the first layer")
         cot = {n: w.grad for n, w in tables.items() if w.grad is not None}
-        for n, d in held.items():
-            cot[n] = d + cot[n].to(self.dtype) if n in cot else d
         tables.clear()
         self._pull(g, t, cot)
         return loss
