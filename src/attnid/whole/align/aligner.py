@@ -510,8 +510,8 @@ def align_sources(a: UnitSource, b: UnitSource, out: Output, *, subgroup: Subgro
             read_ahead((a,), u + 1, u + 2)  # A's next units, read while this one computes (B's: the output)
             r = align_unit(a.load(u, dtype), lambda: b.load(u, dtype), u, b.names(u), p, with_cross=moves,
                            rounding=eps / 2)
-            if r.cross is not None:
-                summed[:] = [r.cross if not summed else summed[0] + r.cross]
+            if r.cross is not None:  # summed in place (the first unit's own, which nothing else reads)
+                summed[:] = [r.cross if not summed else summed[0].add_(r.cross)]
             elif moves:
                 uncrossed.append(u)
             done[u] = replace(r, model=None, cross=None)  # the tensors go to the output only
@@ -530,6 +530,7 @@ def align_sources(a: UnitSource, b: UnitSource, out: Output, *, subgroup: Subgro
         if best.at_rounding(eps):
             break
         r = refit(best.full_cross(a, dtype), best.plan.Q is not None, lay.norm == "layer")
+        best = replace(best, cross=None)  # [d, d] float64: not held through the next pass
         if best.plan.Q is not None:
             if _within(r, 0.5 * eps):  # it moves no stored number by a rounding
                 break
@@ -538,6 +539,7 @@ def align_sources(a: UnitSource, b: UnitSource, out: Output, *, subgroup: Subgro
             break
         else:
             cand = replace(best.plan, perm=best.plan.perm[r])
+        del r  # nor the refit (at 7B widths the two were 256 MB of a pass's 3.8 GiB peak)
         nxt = run(cand)
         say(f"stream refinement round {kept + 1}: distance {nxt.total**0.5:.6g} "
             f"(was {best.total**0.5:.6g})")
