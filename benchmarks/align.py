@@ -112,13 +112,13 @@ def main() -> None:
         elif not (b / "model.safetensors.index.json").exists():
             t_rw, m_rw, _ = run(REWRITE, str(a), str(b))
             print(f"rewrote B = A with permuted heads and neurons and rotated values: {t_rw:.0f}s, "
-                  f"peak {m_rw:.2f} GB (certified by its own diff)")
+                  f"peak {m_rw:.2f} GiB (certified by its own diff)")
         size = sum(p.stat().st_size for d in (a, b) for p in d.glob("*.safetensors")) / 2**30
         print(f"both checkpoints: {size:.1f} GiB on disk")
         run(LAYOUT, str(a), env=store)  # as an earlier command on the model leaves it
         evict(a, b)
         t_read, m_read, _ = run(READ, str(a), str(b))
-        print(f"read both (safetensors, every tensor): {t_read:.1f}s, peak {m_read:.2f} GB")
+        print(f"read both (safetensors, every tensor): {t_read:.1f}s, peak {m_read:.2f} GiB")
         rows = {"config": args.config, "layers": config["num_hidden_layers"], "dtype": args.dtype,
                 "gib": size, "read_s": t_read, "rounds": args.rounds}
         jobs = [("align", ["align", str(a), str(b), str(out), "--force"])]
@@ -135,14 +135,14 @@ def main() -> None:
             t, m, stdout = run(COMMAND, *argv, env=store)
             r = json.loads(stdout)
             if name == "barrier":
-                print(f"attnid barrier: {t:.1f}s, peak {m:.2f} GB -> {t / t_read:.2f}x the read; "
+                print(f"attnid barrier: {t:.1f}s, peak {m:.2f} GiB -> {t / t_read:.2f}x the read; "
                       f"{r['tokens']} tokens at 3 points of 2 paths; barriers "
                       + ", ".join(f"{k} {v:.4f}" for k, v in r["barriers"].items()))
                 rows |= {"barrier_s": t, "barrier_ratio": t / t_read, "barrier_peak_gb": m,
                          "barrier_tokens": r["tokens"]}
                 continue
             share = r["aligned_distance"] / max(r["raw_distance"], 1e-300)
-            print(f"attnid {name:5s}: {t:.1f}s, peak {m:.2f} GB -> {t / t_read:.2f}x the read; aligned "
+            print(f"attnid {name:5s}: {t:.1f}s, peak {m:.2f} GiB -> {t / t_read:.2f}x the read; aligned "
                   f"distance {share:.2e} of the raw one, max residual {r['max_residual']:.2e}")
             rows |= {f"{name}_s": t, f"{name}_ratio": t / t_read, f"{name}_peak_gb": m,
                      f"{name}_aligned_share": share}

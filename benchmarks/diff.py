@@ -83,7 +83,7 @@ def evict(*dirs: Path) -> None:
 
 def run(code: str, *argv: str, ok: tuple[int, ...] = (0,), env: dict[str, str] | None = None
         ) -> tuple[float, float, str]:
-    """Wall seconds, the child's peak RSS (GB) and its stdout (``env``: added to the child's)."""
+    """Wall seconds, the child's peak RSS (GiB: kB / 2**20) and its stdout (``env``: added to the child's)."""
     t = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", PEAK + code, *argv], capture_output=True, text=True,
                           env={**os.environ, **(env or {})})
@@ -165,7 +165,7 @@ def main() -> None:
         t_rw, m_rw, out = run(REWRITE, str(a), str(b))
         rw = json.loads(out)
         size = sum(p.stat().st_size for d in (a, b) for p in d.glob("*.safetensors")) / 2**30
-        print(f"rewrote B = A with R1 (Hadamard) + R2: {t_rw:.0f}s, peak {m_rw:.2f} GB, certified by "
+        print(f"rewrote B = A with R1 (Hadamard) + R2: {t_rw:.0f}s, peak {m_rw:.2f} GiB, certified by "
               f"its own diff (max residual {rw['max_residual']:.2e})")
         evict(a, b)
         t_read, m_read, _ = run(READ, str(a), str(b))
@@ -181,10 +181,10 @@ def main() -> None:
         r = json.loads(out)
         worst = max(row["residual"] for row in r["layers"])
         print(f"both checkpoints: {size:.1f} GiB on disk")
-        print(f"read both (safetensors, every tensor): {t_read:.1f}s, peak {m_read:.2f} GB")
-        print(f"attnid diff A B, layout stored       : {t_diff:.1f}s, peak {m_diff:.2f} GB -> "
+        print(f"read both (safetensors, every tensor): {t_read:.1f}s, peak {m_read:.2f} GiB")
+        print(f"attnid diff A B, layout stored       : {t_diff:.1f}s, peak {m_diff:.2f} GiB -> "
               f"{t_diff / t_read:.2f}x the read")
-        print(f"attnid diff A B, first on the config : {t_first:.1f}s, peak {m_first:.2f} GB -> "
+        print(f"attnid diff A B, first on the config : {t_first:.1f}s, peak {m_first:.2f} GiB -> "
               f"{t_first / t_read:.2f}x the read (transformers imported, the layout built)")
         print(f"  certified {r['certified']} (worst layer residual {worst:.2e}, tolerance "
               f"{r['tolerance']:.1e}, {r['probes']} probes); rotation {r['rotation']}")
