@@ -78,3 +78,32 @@ def test_refine_lowers_the_mid_point_loss_and_keeps_the_function():
     assert only.parts == ("vo",) and only.element.rotation is None
     with pytest.raises(AttnidError, match="cannot refine rotation"):
         refine(as_tensors(A), al.model, A, ids, 1, subgroup="orthogonal", parts=["rotation"])
+
+
+def test_the_rotation_parameter_steps_as_a_full_skew_one():
+    """The rotation's parameter is its skew ``S``'s strict upper triangle (half a ``[d, d]``, and
+    half of Adam's moments); Adam moves ``S`` as it would move a full ``[d, d]`` ``X`` with
+    ``S = (X - X^T) / 2``, up to Adam's ``eps``."""
+    from attnid.whole.transforms.orthogonal import cayley, skew
+
+    theta = Parameters(as_tensors(tiny_model(FAMILIES["llama-gqa"], seed=0)), ("rotation",), gl=True)
+    d = theta.d
+    assert theta.rotation.numel() == d * (d - 1) // 2, theta.rotation.shape
+    X = torch.nn.Parameter(torch.zeros(d, d, dtype=torch.float64))
+    W = torch.randn(d, d, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+
+    def f(Q: torch.Tensor) -> torch.Tensor:  # a function of the rotation with no symmetry of its own
+        return ((Q - W) ** 2).sum() + (Q @ W).trace() ** 2
+
+    mine, full = torch.optim.Adam([theta.rotation], lr=0.05), torch.optim.Adam([X], lr=0.05)
+    for _ in range(5):
+        for opt, Q in ((mine, lambda: theta.element().rotation), (full, lambda: cayley(skew(X)))):
+            opt.zero_grad()
+            f(Q()).backward()
+            opt.step()
+    with torch.no_grad():
+        a, b = theta.element().rotation, cayley(skew(X))
+    moved = float((b - torch.eye(d, dtype=b.dtype)).norm())
+    err = float((a - b).norm()) / moved
+    assert moved > 0.1, f"five steps moved the rotation by only {moved:.1e}"
+    assert err < 1e-6, f"the triangle's rotation differs from the full parameter's by {err:.1e} of its move"

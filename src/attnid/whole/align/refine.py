@@ -99,7 +99,11 @@ class Parameters(nn.Module):
         self.specs = [B.spec(i) for i in range(len(lay.layers))]
         z = torch.float64
         d = B.tensors[f"{lay.tables[0]}.weight"].shape[-1]
-        self.rotation = nn.Parameter(torch.zeros(d, d, dtype=z)) if "rotation" in parts else None
+        # the rotation's skew S held as its strict upper triangle (row by row): d (d - 1) / 2
+        # numbers, not a [d, d] whose skew part is taken (Adam's two moments with it: at 7B
+        # widths 201 MB held instead of 403)
+        self.d = d
+        self.rotation = nn.Parameter(torch.zeros(d * (d - 1) // 2, dtype=z)) if "rotation" in parts else None
         self.qk = nn.ParameterList(
             [nn.Parameter(torch.zeros(s.n_kv_heads, s.head_dim, s.head_dim, dtype=z))
              for s in self.specs if s.qk_norm == "none"] if "qk" in parts else [])
@@ -116,7 +120,10 @@ class Parameters(nn.Module):
     def element(self) -> GroupElement:
         Q = None
         if self.rotation is not None:
-            S = skew(self.rotation)
+            upper = torch.ones(self.d, self.d, dtype=torch.bool).triu_(1)
+            U = self.rotation.new_zeros(self.d, self.d).masked_scatter(upper, self.rotation)
+            S = U - U.T
+            del U, upper
             if self.layer_norm:  # Q 1 = 1: S 1 = 0
                 S = S - S.mean(0, keepdim=True) - S.mean(1, keepdim=True) + S.mean()
             Q = cayley(S)
@@ -236,7 +243,7 @@ def descend(theta: Parameters, chosen: tuple[str, ...], steps: int, calibration:
         finally:
             bar.close()  # type: ignore[attr-defined]
     opt.zero_grad(set_to_none=True)
-    del opt  # its moments and the gradients (three [d, d] float64 for a rotation) before the last pass
+    del opt  # its moments and the gradients (3 d (d - 1) / 2 float64 for a rotation) before the last pass
     with torch.no_grad():
         g = theta.element()
         after = full(g)
