@@ -145,8 +145,8 @@ def test_refine_keeps_b_when_no_step_helps(pairs, tmp_path, capsys, monkeypatch)
 class _Away:
     """An optimiser that moves every parameter far up its gradient (the loss goes up)."""
 
-    def __init__(self, params) -> None:
-        self.params = list(params)
+    def __init__(self, params) -> None:  # parameters, or groups of them (as torch.optim's)
+        self.params = [q for g in params for q in (g["params"] if isinstance(g, dict) else [g])]
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # as torch.optim.Optimizer's
         for q in self.params:

@@ -25,6 +25,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 from torch import nn
@@ -38,6 +39,7 @@ from attnid.whole.transforms.orthogonal import cayley, skew
 from attnid.whole.transforms.residual import rotation_refusal
 from attnid.whole.transforms.state import ModelTensors
 
+ADAM_EPS = 1e-8  # torch.optim.Adam's default
 REFINABLE = ("rotation", "qk", "vo", "mlp", "norms")  # the continuous parts, in apply order
 BATCH = 16  # calibration chunks per step (every chunk, once, when there are fewer)
 
@@ -116,6 +118,15 @@ class Parameters(nn.Module):
         paths = _norms(B) if "norms" in parts else []
         self.norm_paths = paths
         self.norms = nn.ParameterList([nn.Parameter(torch.zeros(d, dtype=z)) for _ in paths])
+
+    def groups(self) -> list[dict[str, Any]]:
+        """Adam's parameter groups: the rotation's triangle with twice Adam's ``eps``. Its
+        gradient is twice a full ``[d, d]`` parameter's (each entry of ``S`` is one number, not
+        half the difference of two), so with ``2 eps`` Adam's steps are those of the full
+        parameter exactly (tested), and the refinement's path is what it was."""
+        rest = [p for n, p in self.named_parameters() if n != "rotation"]
+        mine = [] if self.rotation is None else [{"params": [self.rotation], "eps": 2 * ADAM_EPS}]
+        return mine + ([{"params": rest}] if rest else [])
 
     def element(self) -> GroupElement:
         Q = None
@@ -225,7 +236,7 @@ def descend(theta: Parameters, chosen: tuple[str, ...], steps: int, calibration:
     ``g``, kept only when that lowers the objective."""
     start = time.perf_counter()
     before = full(None)
-    opt = torch.optim.Adam(theta.parameters(), lr=lr)
+    opt = torch.optim.Adam(theta.groups(), lr=lr)
     order = torch.randperm(len(calibration), generator=torch.Generator().manual_seed(seed))
     shown = progress if progress is not None else Progress(enabled=False)
     bar = shown.steps(steps, "refine")
