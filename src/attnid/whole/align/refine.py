@@ -39,7 +39,7 @@ from attnid.whole.transforms.orthogonal import cayley, skew
 from attnid.whole.transforms.residual import rotation_refusal
 from attnid.whole.transforms.state import ModelTensors
 
-ADAM_EPS = 1e-8  # torch.optim.Adam's default
+ADAM_EPS = 1e-8  # Adam's eps (torch's default), set in every group (`Parameters.groups`)
 REFINABLE = ("rotation", "qk", "vo", "mlp", "norms")  # the continuous parts, in apply order
 BATCH = 16  # calibration chunks per step (every chunk, once, when there are fewer)
 
@@ -126,7 +126,7 @@ class Parameters(nn.Module):
         parameter exactly (tested), and the refinement's path is what it was."""
         rest = [p for n, p in self.named_parameters() if n != "rotation"]
         mine = [] if self.rotation is None else [{"params": [self.rotation], "eps": 2 * ADAM_EPS}]
-        return mine + ([{"params": rest}] if rest else [])
+        return mine + ([{"params": rest, "eps": ADAM_EPS}] if rest else [])
 
     def element(self) -> GroupElement:
         Q = None
