@@ -342,3 +342,21 @@ def test_the_certificate_reads_the_output_with_its_permutations_undone(pairs, tm
         worst, tol = certify(ub, written, al.stream_permutation, hint)
         assert worst <= tol and bool(searches) == want, (
             f"{len(hint)} hints: worst residual {worst:.1e} (tolerance {tol:.1e}), {len(searches)} searches")
+
+
+def test_a_certificate_told_no_rotation_moved_the_stream_still_fits_one(pairs):
+    """`certify(..., rotated=False)` (the alignment rotated no stream: no rotation fitted) falls
+    back to fitting one when the output is rotated after all, so a wrong hint costs time, never
+    a refusal; the unrotated comparison alone does refuse it (B is A under a random element
+    with a stream rotation)."""
+    from attnid.checkpoint.align import certify
+    from attnid.checkpoint.load import open_checkpoint
+    from attnid.checkpoint.units import open_units
+    from attnid.whole.fit import fit
+
+    ub = open_units(open_checkpoint(pairs["llama"]["b"]))
+    worst, tol = certify(ub, pairs["llama"]["a"], None, (), rotated=False)
+    assert worst <= tol, f"residual {worst:.2e} against {tol:.1e}"
+    f = fit(ub, open_units(open_checkpoint(pairs["llama"]["a"])), rotate=False)
+    unrotated = max(x.residual for r in f.units for x in r.residuals)
+    assert unrotated > 1e3 * tol, f"the unrotated comparison passed ({unrotated:.1e})"

@@ -195,3 +195,36 @@ def test_one_median_in_the_table_the_summary_line_the_json_and_the_report(minilm
     for side in ("qk", "vo"):
         quoted = f"imbalance_{side} median {float(np.median(every[side])):.3f}"
         assert quoted in text and quoted in evidence, (quoted, text, evidence)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory) -> Path:
+    from tests.checkpoint.conftest import SMALL, save_random
+
+    return save_random(SMALL["llama"], tmp_path_factory.mktemp("finite"), "llama")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_number_is_found_anywhere_in_any_dtype(llama_dir, tmp_path, dtype, bad):
+    """`Checkpoint.tensor` refuses a weight with one NaN or Inf wherever it sits (its least and
+    greatest elements: `Checkpoint._finite`), in each stored floating dtype, and reads it clean."""
+    from safetensors.torch import load_file, save_file
+
+    from attnid.checkpoint.load import open_checkpoint
+    from attnid.errors import AttnidError
+
+    name = "model.layers.1.mlp.up_proj.weight"
+    clean = {k: v.to(dtype) for k, v in load_file(llama_dir / "model.safetensors").items()}
+    n = clean[name].numel()
+    for at in (0, n // 2 + 3, n - 1):
+        d = tmp_path / f"at{at}"
+        shutil.copytree(llama_dir, d)
+        t = dict(clean)
+        t[name] = clean[name].clone().view(-1)
+        t[name][at] = bad
+        save_file({k: v.view(clean[k].shape) for k, v in t.items()}, d / "model.safetensors")
+        with pytest.raises(AttnidError, match=re.escape(name) + " holds NaN or Inf"):
+            open_checkpoint(d).tensor(name)
+    save_file(clean, d / "model.safetensors")
+    assert torch.equal(open_checkpoint(d).tensor(name), clean[name])

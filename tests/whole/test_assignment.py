@@ -125,3 +125,56 @@ def test_neuron_matching_on_activations_in_blocks(signed, monkeypatch):
     assert made and is_permutation(got)
     gap = (total(cost, got) - total(cost, want)) / abs(total(cost, want))
     assert -1e-12 <= gap <= 1e-3, f"signed={signed}: blocks {total(cost, got)!r}, whole {total(cost, want)!r}"
+
+
+def _rewrite_mlp(kind: str, f: int = 300, k: int = 48, seed: int = 0) -> tuple[MLP, MLP, torch.Tensor]:
+    """A's MLP and B = its neurons permuted and scaled (gated: up times c, down over c), each
+    number rounded to bfloat16 as stored; ``perm`` with A's neuron j at B's perm[j]."""
+    g = torch.Generator().manual_seed(seed)
+    up, down, gate = (torch.randn(f, k, generator=g).bfloat16().float() for _ in range(3))
+    perm = torch.randperm(f, generator=g)
+    c = torch.rand(f, 1, generator=g) + 0.5 if kind == "gated" else torch.ones(f, 1)
+    inv = perm.argsort()  # B's neuron perm[j] is A's j
+    B = MLP((up * c)[inv].bfloat16().float(), (down / c)[inv].bfloat16().float(), gate[inv], None, None,
+            kind, {})
+    return MLP(up, down, gate, None, None, kind, {}), B, perm
+
+
+@pytest.mark.parametrize("kind", ["gated", "other"])
+def test_a_rewrites_neurons_are_found_on_a_few_probes_and_checked_as_stored(kind):
+    """`nearest_neurons` through 4 probes finds a stored rewrite's permutation (bfloat16 rounding
+    and, gated, per-neuron scales), `neurons_within` accepts it at bfloat16's eps, and the full
+    matching agrees; a neuron moved by 10 eps, or B unrelated, is not accepted (then the full
+    matching runs)."""
+    eps = torch.finfo(torch.bfloat16).eps
+    A, B, perm = _rewrite_mlp(kind)
+    Z = torch.randn(A.up.shape[1], 4, generator=torch.Generator().manual_seed(1))
+
+    def probed(x: MLP) -> MLP:
+        return MLP(x.up @ Z, x.down @ Z, x.gate @ Z, None, None, x.kind, {})
+
+    def reordered(x: MLP, perm: torch.Tensor) -> MLP:  # neuron j of the result: x's perm[j]
+        return MLP(x.up[perm], x.down[perm], x.gate[perm], None, None, x.kind, {})
+
+    near = match.nearest_neurons(probed(A), probed(B), chunk=64)
+    assert near is not None and torch.equal(near, perm), \
+        f"{kind}: {int((near != perm).sum()) if near is not None else 'no bijection'} neurons wrong"
+    assert match.neurons_within(A, reordered(B, near), eps)
+    assert not match.neurons_within(A, B, eps), f"{kind}: B unpermuted accepted"
+    assert torch.equal(match.match_neurons(A, B, chunk=64), perm)
+    moved = reordered(B, near)
+    moved.gate[7, 0] += 10 * eps * moved.gate[7].norm()  # one neuron moved by 10 eps of its norm
+    assert not match.neurons_within(A, moved, eps), f"{kind}: a moved neuron accepted"
+    assert match.neurons_within(A, moved, 20 * eps)
+    other, _, _ = _rewrite_mlp(kind, seed=1)
+    found = match.nearest_neurons(probed(A), probed(other), chunk=64)
+    assert found is None or not match.neurons_within(A, reordered(other, found), eps)
+    # the down columns as stored ([k, f], read across by `match._dots`): the same verdicts
+    def stored(x: MLP) -> MLP:
+        return MLP(x.up, x.down.T.contiguous().T, x.gate, None, None, x.kind, {})
+
+    assert match.neurons_within(stored(A), stored(reordered(B, near)), eps)
+    assert not match.neurons_within(stored(A), stored(moved), eps)
+    for lay in (lambda x: x, stored):  # a copy, stored alike, is at cost 0 exactly
+        copy = MLP(A.up.clone(), A.down.clone(), A.gate.clone(), None, None, kind, {})
+        assert match.neurons_within(lay(A), lay(copy), 1e-30), f"{kind}: a copy is not at cost 0"

@@ -92,7 +92,7 @@ def test_one_changed_tensor_is_named(family):
     assert not wrong, f"{family}: (changed, blamed): {wrong}"
 
 
-@pytest.mark.parametrize("family", ["llama-gqa", "gpt2-untied", "bert"])
+@pytest.mark.parametrize("family", ["llama-gqa", "gpt2-untied", "neox-parallel"])
 def test_probed(family):
     """Through 4 random stream directions (width 8): the same verdicts."""
     A = tiny_model(FAMILIES[family], seed=0)
@@ -255,3 +255,24 @@ def test_probes_see_norms_unbiased_and_fold_gain_and_centring(gain, centre, narr
     left = f.left(X.T, g, centre)
     err = float((left - f.R.T @ Y.T).norm() / left.norm())
     assert err < 1e-13, f"left: folding changed the product by {err:.2e}"
+
+
+@pytest.mark.parametrize("family", ["llama-gqa", "gpt2-untied", "neox-parallel"])
+def test_without_a_rotation_fitted(family):
+    """``fit(rotate=False)`` (what `attnid align`'s certificate uses when its alignment rotated
+    no stream) certifies an element without a stream rotation as tightly as the fitted path,
+    and reports a stream-rotated B as broken: no rotation is fitted behind the caller's back."""
+    from dataclasses import replace
+
+    A = tiny_model(FAMILIES[family], seed=0)
+    el = element(A)
+    if el.rotation is None:
+        pytest.skip(f"{family}: no stream rotation is a symmetry here")
+    plain = T.apply_element(A, replace(el, rotation=None))
+    f = fit(TensorSource(A), TensorSource(plain), rotate=False)
+    assert worst(f).residual <= f.tolerance, f"{family}: {worst(f)}"
+    assert f.stream is None and f.rotation.startswith("none")
+    rotated = T.apply_element(A, el)
+    assert worst(fit(TensorSource(A), TensorSource(rotated))).residual <= f.tolerance
+    w = worst(fit(TensorSource(A), TensorSource(rotated), rotate=False)).residual
+    assert w > 1e3 * f.tolerance, f"{family}: a rotated stream passed unrotated ({w:.1e})"

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 import attnid.whole.fit.canonical as C
+from attnid.adapters.layout import Lin
 from attnid.errors import AttnidError, renamed_keyword
 from attnid.numerics import sq_distance
 from attnid.whole.align.activations import (
@@ -50,8 +51,9 @@ from attnid.whole.align.activations import (
 from attnid.whole.align.additive import fit_additive
 from attnid.whole.align.gauges import Kind, pair_fit, scalar_fit
 from attnid.whole.align.stream import ROUNDS, Pair, cross, fit_stream, gains_to, permuted, refit
+from attnid.whole.fit.canonical import MLP
 from attnid.whole.fit.frame import Frame, probes
-from attnid.whole.fit.match import SKETCH, match_heads, match_neurons
+from attnid.whole.fit.match import FEW, SKETCH, match_heads, match_neurons, nearest_neurons, neurons_within
 from attnid.whole.fit.source import SplitSource, UnitSource, read_ahead
 from attnid.whole.transforms.element import GroupElement, LayerElement
 from attnid.whole.transforms.heads import head_permutation, query_key_transform, value_transform
@@ -202,21 +204,52 @@ def _heads(a: ModelTensors, b: ModelTensors, i: int) -> torch.Tensor:
     return match_heads(wa, wb)
 
 
-def _neurons(a: ModelTensors, b: ModelTensors, i: int) -> torch.Tensor:
-    """Layer ``i``'s MLP neurons matched (the attention's copies let go first: a 7B layer)."""
-    return match_neurons(C.mlp(a, i, _frame(a, i), rows=SKETCH), C.mlp(b, i, _frame(b, i), rows=SKETCH))
+def _stored_mlp(m: ModelTensors, i: int) -> MLP:
+    """Layer ``i``'s MLP as stored, a row per neuron (no gain folded, no probes): what a
+    checkpoint's rounding acts on."""
+    lay = m.layout
+    up, down = lay.mlps[i]
+
+    def rows(lin: Lin) -> tuple[torch.Tensor, torch.Tensor | None]:
+        W, c = m.weight(lin), m.bias(lin)
+        if lin.rows is None:
+            return W, c
+        r = slice(*lin.rows)
+        return W[r], None if c is None else c[r]
+
+    (U, cu), (G, cg) = rows(up), rows(lay.gates[i]) if lay.gates else (None, None)
+    return MLP(U, m.weight(down).T, G, cu, cg, lay.mlp, {})
 
 
-def fit_permutations(a: ModelTensors, b: ModelTensors, i: int, acts: Pair | None = None
+def _neurons(a: ModelTensors, b: ModelTensors, i: int, tol: float = 0.0) -> tuple[torch.Tensor, ModelTensors]:
+    """Layer ``i``'s MLP neurons matched (the attention's copies let go first: a 7B layer), and
+    B with them permuted. With ``tol`` > 0, first each neuron's nearest in direction through a
+    few probes (`match.nearest_neurons`), kept when B so permuted has every neuron within
+    ``tol`` of A's as stored (`match.neurons_within`): a rewrite's matching, without the
+    ``[f, f]`` costs of `match_neurons`."""
+    if tol > 0:
+        near = nearest_neurons(C.mlp(a, i, _frame(a, i), rows=FEW), C.mlp(b, i, _frame(b, i), rows=FEW))
+        if near is not None:
+            moved = neuron_permutation(b, i, near)
+            if neurons_within(_stored_mlp(a, i), _stored_mlp(moved, i), tol):
+                return near, moved
+            del moved
+    perm = match_neurons(C.mlp(a, i, _frame(a, i), rows=SKETCH), C.mlp(b, i, _frame(b, i), rows=SKETCH))
+    return perm, neuron_permutation(b, i, perm)
+
+
+def fit_permutations(a: ModelTensors, b: ModelTensors, i: int, acts: Pair | None = None, tol: float = 0.0
                      ) -> tuple[ModelTensors, torch.Tensor, torch.Tensor]:
     """Layer ``i``'s heads and neurons matched (on gauge-invariant weight features, or on the
     activations ``acts`` of A and of B, B's heads' writes made from its output projection as
-    it is now: in A's stream coordinates)."""
+    it is now: in A's stream coordinates), and B with both permuted; ``tol``: a storage
+    rounding within which a rewrite's neurons are matched on a few probes (`_neurons`)."""
     if acts is None:
-        heads, neurons = _heads(a, b, i), _neurons(a, b, i)
-    else:
-        heads = head_matching(*acts, i, b.spec(i).n_kv_heads, a.attention(i).W_O, b.attention(i).W_O)
-        neurons = neuron_matching(*acts, i, signed=b.layout.mlp != "gated")
+        heads = _heads(a, b, i)
+        neurons, b = _neurons(a, head_permutation(b, i, heads), i, tol)  # (heads leave the MLP as it is)
+        return b, heads, neurons
+    heads = head_matching(*acts, i, b.spec(i).n_kv_heads, a.attention(i).W_O, b.attention(i).W_O)
+    neurons = neuron_matching(*acts, i, signed=b.layout.mlp != "gated")
     return neuron_permutation(head_permutation(b, i, heads), i, neurons), heads, neurons
 
 
@@ -253,7 +286,7 @@ def fit_query_key(a: ModelTensors, b: ModelTensors, i: int, kind: Kind, rounding
         return b, None
     (XA, YA), (XB, YB) = _qk_pairs(a, i), _qk_pairs(b, i)
     M = pair_fit(XB, XA, YB, YA, kind, spec, rounding=rounding)
-    return query_key_transform(b, i, M), M
+    return (b if _identity(M) else query_key_transform(b, i, M)), M
 
 
 def fit_value_output(a: ModelTensors, b: ModelTensors, i: int, kind: Kind, rounding: float = 0.0
@@ -261,7 +294,12 @@ def fit_value_output(a: ModelTensors, b: ModelTensors, i: int, kind: Kind, round
     """B after layer ``i``'s V/O gauge, and the gauge ``C``; ``rounding``: `gauges.pair_fit`'s."""
     (XA, YA), (XB, YB) = _vo_pairs(a, i), _vo_pairs(b, i)
     Cv = pair_fit(XB, XA, YB, YA, kind, rounding=rounding)
-    return value_transform(b, i, Cv), Cv
+    return (b if _identity(Cv) else value_transform(b, i, Cv)), Cv
+
+
+def _identity(M: torch.Tensor) -> bool:
+    """Whether ``M [G, k, k]`` is the identity exactly (a transform by it would only copy)."""
+    return torch.equal(M, torch.eye(M.shape[-1], dtype=M.dtype).expand_as(M))
 
 
 # ---- 4. MLP scales and norm gains ------------------------------------------------------------------
@@ -276,12 +314,19 @@ def _up(m: ModelTensors, i: int) -> tuple[torch.Tensor, torch.Tensor]:
     return X, m.weight(down).T
 
 
-def _sums(XA: torch.Tensor, XB: torch.Tensor, dim: int, block: int = 2048
+def _sums(XA: torch.Tensor, XB: torch.Tensor, dim: int, elements: int = 2**18
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(|x_B|^2, <x_B, x_A>)`` of ``X [n, p]`` over ``dim`` (0: per column ``[p]``, 1: per row
-    ``[n]``), ``block`` rows at a time: no full-size product of a 7B layer's weights."""
+    ``[n]``), a block of stored rows at a time (a down projection's ``[f, d]`` view: its stored
+    ``[d, f]``), each block's temporaries at most ``elements`` numbers: 1 MiB in float32, under
+    the 2 MiB above which the streamed commands map every block afresh
+    (`attnid.allocator.return_freed_memory`), and in cache. No full-size product of a 7B layer's
+    weights is made; 2,048-row blocks took 3 to 4 times as long."""
+    if XB.dim() == 2 and XB.stride(0) == 1 and XB.stride(1) != 1:
+        return _sums(XA.T, XB.T, 1 - dim, elements)
+    rows = max(1, elements // max(1, XB.shape[-1]))
     parts = [((xb**2).sum(dim), (xb * xa).sum(dim))
-             for xa, xb in zip(XA.split(block), XB.split(block), strict=True)]
+             for xa, xb in zip(XA.split(rows), XB.split(rows), strict=True)]
     if dim == 0:
         return sum(p[0] for p in parts), sum(p[1] for p in parts)  # type: ignore[return-value]
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
@@ -306,7 +351,10 @@ def fit_norms(a: ModelTensors, b: ModelTensors) -> tuple[ModelTensors, dict[str,
 
         col = [_sums(a.weight(r), b.weight(r), 0) for r in readers]  # per stream coordinate [d]
         s = scalar_fit(*_sums(gains(a), gains(b), 1), sum(x[0] for x in col), sum(x[1] for x in col))
-        b = norm_gain_transfer(b, nm.path, s)
+        if bool(((s - 1).abs() <= torch.finfo(b.gain(nm).dtype).eps).all()):  # 1 to the arithmetic's
+            s = torch.ones_like(s)  # own rounding: the transfer would only copy the readers
+        else:
+            b = norm_gain_transfer(b, nm.path, s)
         out[nm.path] = s
     return b, out
 
@@ -363,7 +411,7 @@ def align_unit(a: ModelTensors, b: ModelTensors | Callable[[], ModelTensors], un
     if subgroup != "none":
         if plan.Q is not None:
             b = gains_to(a, b)
-            b = b if _within(plan.Q, _eps(b)) else residual_rotation(b, plan.Q)
+            b = residual_rotation(b, plan.Q) if stream_rotated(plan.Q, _dtype(b)) else b
         else:
             b = b if plan.perm is None else residual_permutation(b, plan.perm)
             b = gains_to(a, b) if plan.moved else b
@@ -372,7 +420,7 @@ def align_unit(a: ModelTensors, b: ModelTensors | Callable[[], ModelTensors], un
     layer: dict[str, torch.Tensor] = {}
     in_layer = 0 <= i < len(lay.layers) and subgroup != "none"
     if in_layer:
-        b, layer["heads"], layer["neurons"] = fit_permutations(a, b, i, plan.acts)
+        b, layer["heads"], layer["neurons"] = fit_permutations(a, b, i, plan.acts, 2 * rounding)
     stage("permutations", b)
     if in_layer and subgroup != "permutations":
         kind: Kind = "gl" if subgroup == "full" else "orthogonal"
@@ -414,9 +462,17 @@ def _within(Q: torch.Tensor, eps: float) -> bool:
     return float(torch.linalg.matrix_norm(Q - torch.eye(Q.shape[0], dtype=Q.dtype))) <= eps
 
 
-def _eps(m: ModelTensors) -> float:
-    """The rounding of the dtype ``m`` is held in (its widest floating tensor's)."""
-    return min((torch.finfo(t.dtype).eps for t in m.tensors.values() if t.is_floating_point()), default=0.0)
+def _dtype(m: ModelTensors) -> torch.dtype:
+    """The widest floating dtype ``m`` is held in."""
+    held = (t.dtype for t in m.tensors.values() if t.is_floating_point())
+    return min(held, key=lambda t: torch.finfo(t).eps, default=torch.float64)
+
+
+def stream_rotated(Q: torch.Tensor | None, dtype: torch.dtype) -> bool:
+    """Whether a unit held in ``dtype`` is rotated by the stream rotation ``Q``: not when
+    ``||Q - I||_F <= eps`` (`_within`: it would move no number by more than ``dtype``'s own
+    rounding)."""
+    return Q is not None and not _within(Q, torch.finfo(dtype).eps)
 
 
 def _own(m: ModelTensors, names: set[str]) -> ModelTensors:

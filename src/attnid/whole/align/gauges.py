@@ -21,6 +21,7 @@ from typing import Literal
 
 import torch
 
+from attnid.numerics import sq_distance
 from attnid.rope import in_commutant, plane_parts, project_commutant
 from attnid.spec import AttentionSpec
 from attnid.whole.fit.rotation import polar
@@ -106,7 +107,10 @@ def pair_fit(XB: torch.Tensor, XA: torch.Tensor, YB: torch.Tensor, YA: torch.Ten
     """``M [G, k, k]`` minimising :func:`objective` (see the module), in ``XB``'s dtype;
     ``spec``: stay in its RoPE commutant (Q/K). Fitted on the float64 `Grams`. ``rounding``:
     the relative rounding of the checkpoints' storage (``eps / 2``); a start that leaves every
-    group within it of ``||[X_A; Y_A]||`` is not refined (what is written is rounded by as much)."""
+    group within it of ``||[X_A; Y_A]||`` is not refined (what is written is rounded by as much),
+    and where B's pair is already A's to that rounding, ``M`` is the identity (no Grams made)."""
+    if rounding > 0 and _at_identity(XB, XA, YB, YA, rounding):
+        return torch.eye(XB.shape[-1], dtype=XB.dtype).expand(XB.shape[0], -1, -1).clone()
     g = Grams.of(XB, XA, YB, YA)
     M = _orthogonal(g, spec)
     if kind == "gl":
@@ -118,6 +122,19 @@ def pair_fit(XB: torch.Tensor, XA: torch.Tensor, YB: torch.Tensor, YA: torch.Ten
         best = torch.stack([cands[int(k)][i] for i, k in enumerate(costs.argmin(0))])
         M = _refine(XB, XA, YB, YA, g, best, spec, steps, rounding)
     return M.to(XB.dtype)
+
+
+def _at_identity(XB: torch.Tensor, XA: torch.Tensor, YB: torch.Tensor, YA: torch.Tensor, rounding: float
+                 ) -> bool:
+    """Whether every group's ``||X_B - X_A||^2 + ||Y_B - Y_A||^2`` is within ``rounding^2`` of
+    its ``||X_A||^2 + ||Y_A||^2`` (the objective at ``M = I``, as `_refine` judges a start; a
+    rewrite that left the pair alone, as a permutation of heads does). A group at a time, no
+    difference of a whole layer made, and the first group that has moved ends it."""
+    for xb, xa, yb, ya in zip(XB, XA, YB, YA, strict=True):
+        scale = float(torch.linalg.vector_norm(xa)) ** 2 + float(torch.linalg.vector_norm(ya)) ** 2
+        if sq_distance(xb, xa) + sq_distance(yb, ya) > rounding**2 * scale:
+            return False
+    return True
 
 
 def _refine(XB: torch.Tensor, XA: torch.Tensor, YB: torch.Tensor, YA: torch.Tensor, g: Grams,

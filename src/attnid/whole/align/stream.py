@@ -34,7 +34,9 @@ def gains_to(a: ModelTensors, b: ModelTensors) -> ModelTensors:
         if foldable(nm) and f"{nm.path}.weight" in b:
             gb = b.gain(nm)
             s = a.gain(nm) / torch.where(gb == 0, torch.ones_like(gb), gb)
-            b = norm_gain_transfer(b, nm.path, torch.where(s == 0, torch.ones_like(s), s))
+            s = torch.where(s == 0, torch.ones_like(s), s)
+            if not torch.all(s == 1):  # already A's: the transfer would multiply by 1 (a 7B layer's copies)
+                b = norm_gain_transfer(b, nm.path, s)
     return b
 
 

@@ -305,8 +305,10 @@ def field_names(m: ModelTensors, layer: int) -> dict[str, str]:
 
 
 def fit(a: UnitSource, b: UnitSource, *, probe_k: int | None = None,
-        progress: Callable[[str], None] | None = None) -> Fit:
-    """The group element mapping B onto A and every residual it leaves (see the module)."""
+        progress: Callable[[str], None] | None = None, rotate: bool = True) -> Fit:
+    """The group element mapping B onto A and every residual it leaves (see the module).
+    ``rotate=False``: B's stream compared as it is, no rotation fitted (a caller that knows
+    none moved it: `attnid align`'s certificate of what it wrote)."""
     if a.layout != b.layout:
         raise AttnidError("the two models do not have the same layout")
     L = len(a.layout.layers)
@@ -316,8 +318,8 @@ def fit(a: UnitSource, b: UnitSource, *, probe_k: int | None = None,
     order = [*first, *(u for u in range(1, L + 1) if u not in first)]
     read_ahead((a, b), *order[:2])  # the rotation reads the tables and the head: read while it starts
     f = _Fitter(a, b, probe_k, progress)
-    rot = _Rotations(f)
-    Q, how = rot.first()
+    rot = _Rotations(f) if rotate else None
+    Q, how = rot.first() if rot is not None else (None, "none: B's stream compared as it is")
     f.progress(f"rotation: {how}")
     results: dict[int, tuple[UnitResult, float, dict[str, torch.Tensor]]] = {}
     for k, u in enumerate(order):
@@ -325,7 +327,8 @@ def fit(a: UnitSource, b: UnitSource, *, probe_k: int | None = None,
             read_ahead((a, b), order[k + 2])
         results[u] = _unit(f, u, Q, rot)
         f.progress(f"unit {u} of {L + 1}: worst residual {_worst(results[u][0]):.2e}")
-        if u == first[-1] and Q is not None and any(_worst(results[x][0]) > f.tol for x in first):
+        if u == first[-1] and rot is not None and Q is not None and any(_worst(results[x][0]) > f.tol
+                                                                          for x in first):
             Q2, how2 = rot.best(first, Q, how)
             if Q2 is not Q:
                 Q, how = Q2, how2
@@ -344,7 +347,7 @@ def fit(a: UnitSource, b: UnitSource, *, probe_k: int | None = None,
                None if f.Z is None else f.Z.shape[1], how, Q, gains, layers)
 
 
-def _unit(f: _Fitter, u: int, Q: Rotation | None, rot: _Rotations
+def _unit(f: _Fitter, u: int, Q: Rotation | None, rot: _Rotations | None
           ) -> tuple[UnitResult, float, dict[str, torch.Tensor]]:
     """One unit compared (leftover tensors and diagnoses included), its stored distance, and
     the norm gauges it holds."""
@@ -358,7 +361,7 @@ def _unit(f: _Fitter, u: int, Q: Rotation | None, rot: _Rotations
     r.residuals += _leftovers(f, a, ma, mb, u, r)
     if u == 0 and Q is not None and Q.QZ is not None:  # fitted through the probes: Q^T Q = I checked
         r.residuals.append(Residual(f"{f.lay.tables[0]}.weight", "rotation Q^T Q = I", Q.defect))
-    note = rot.note(ma, mb, r) if u == 0 else None
+    note = rot.note(ma, mb, r) if u == 0 and rot is not None else None
     if note:  # the token table is where a forbidden rotation shows first
         token = f"{f.lay.tables[0]}.weight"
         r.residuals = [Residual(x.tensor, x.invariant, x.residual, x.head,

@@ -181,14 +181,19 @@ def _pair_cost(fa: tuple[torch.Tensor, torch.Tensor | None], fb: tuple[torch.Ten
     return _relative((a @ b.T).mul_(a2 @ b2.T), na[:, None] + nb[None, :])
 
 
+def _dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Row-wise ``<x_j, y_j>`` ``[n]`` (no ``[n, p]`` product made: a 7B MLP's is 34 MB a block)."""
+    return torch.einsum("ij,ij->i", x, y)
+
+
 def _diagonal(fa: tuple[torch.Tensor, torch.Tensor | None], fb: tuple[torch.Tensor, torch.Tensor | None]
               ) -> torch.Tensor:
     """The cost of pairing neuron ``j`` with neuron ``j`` (``[f]``)."""
     (a, a2), (b, b2) = fa, fb
     if a2 is None:
-        return ((a - b) ** 2).sum(1) / ((a**2).sum(1) + (b**2).sum(1)).clamp_min(1e-300)
-    na, nb = (a**2).sum(1) * (a2**2).sum(1), (b**2).sum(1) * (b2**2).sum(1)
-    cross = (a * b).sum(1) * (a2 * b2).sum(1)
+        return _dot(a - b, a - b) / (_dot(a, a) + _dot(b, b)).clamp_min(1e-300)
+    na, nb = _dot(a, a) * _dot(a2, a2), _dot(b, b) * _dot(b2, b2)  # a neuron paired with its copy: cost 0
+    cross = _dot(a, b) * _dot(a2, b2)
     return (na + nb - 2 * cross).clamp_min(0) / (na + nb).clamp_min(1e-300)
 
 
@@ -209,6 +214,57 @@ def _sketched(fs: list[tuple[torch.Tensor, torch.Tensor | None]], seed: int = 0
             pair.append(t @ (Z / SKETCH**0.5))
         out.append((pair[0], pair[1]))
     return out
+
+
+FEW = 32  # probes enough to find a rewrite's neurons (`nearest_neurons`; checked by `neurons_within`)
+
+
+def _direction(x: MLP) -> torch.Tensor:
+    """Per neuron ``[f, k]``, a row its symmetries only scale, at unit length: the gate's (gated
+    MLPs), else the up projection's (ReLU: a positive scale), each with its bias."""
+    w, c = (x.gate, x.gate_bias) if x.gate is not None else (x.up, x.up_bias)
+    return torch.nn.functional.normalize(w if c is None else torch.cat([w, c[:, None]], 1), dim=1)
+
+
+def nearest_neurons(A: MLP, B: MLP, chunk: int = 2048) -> torch.Tensor | None:
+    """``perm [f]``: the neuron of B nearest each of A's in direction (`_direction`), when these
+    form a bijection (else None). A candidate and not an optimum: a rewrite's neuron points as
+    its match does and, through a few probes (`FEW`), well apart from every other; one
+    product and an argmax a block, where the costs of `match_neurons` take a dozen passes over
+    each ``[chunk, f]`` block. `neurons_within` checks it on the stored rows."""
+    da, db = _direction(A), _direction(B)
+    near = torch.cat([(da[s:s + chunk] @ db.T).argmax(1) for s in range(0, da.shape[0], chunk)])
+    return near if torch.equal(near.sort().values, torch.arange(near.numel())) else None
+
+
+def _dots(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(<x_j, x_j>, <y_j, y_j>, <x_j, y_j>)`` ``[n]`` over the rows of ``x``, ``y`` ``[n, p]``,
+    all three in one order of arithmetic (a row paired with its copy: the three equal exactly);
+    rows stored as the columns of a ``[p, n]`` tensor (a down projection's) 512 of its rows at
+    a time, where a row-wise product would read it across (25 times slower)."""
+    if x.dim() == 2 and x.stride(0) == 1 and x.shape[1] > 1:
+        X, Y = x.T, y.T
+
+        def dot(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return sum((u[s:s + 512] * v[s:s + 512]).sum(0) for s in range(0, u.shape[0], 512))  # type: ignore[return-value]
+
+        return dot(X, X), dot(Y, Y), dot(X, Y)
+    return _dot(x, x), _dot(y, y), _dot(x, y)
+
+
+def neurons_within(A: MLP, B: MLP, tol: float) -> bool:
+    """Whether every neuron ``j`` of A is within ``tol`` of B's neuron ``j`` (the relative cost
+    of `match_neurons`, at most ``tol^2``). Costs are never negative, so no pairing's total is
+    below this one's by more than ``f tol^2``: with ``tol`` a storage rounding, pairing each
+    neuron with its namesake is the optimum to that rounding (docs/theory.md §13.19)."""
+    cost = torch.zeros(A.up.shape[0], dtype=A.up.dtype)
+    for (a, a2), (b, b2) in zip(_neuron_features(A), _neuron_features(B), strict=True):
+        na, nb, cross = _dots(a, b)
+        if a2 is not None:  # |u d^T|^2 = |u|^2 |d|^2, <u d^T, v e^T> = <u, v> <d, e>
+            ma, mb, mc = _dots(a2, b2)
+            na, nb, cross = na * ma, nb * mb, cross * mc
+        cost += (na + nb - 2 * cross).clamp_min(0) / (na + nb).clamp_min(1e-300)
+    return float(cost.max()) <= tol**2
 
 
 def match_neurons(A: MLP, B: MLP, tol: float = 0.0, chunk: int = 2048) -> torch.Tensor:
