@@ -240,13 +240,16 @@ def nearest_neurons(A: MLP, B: MLP, chunk: int = 2048) -> torch.Tensor | None:
 def _dots(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(<x_j, x_j>, <y_j, y_j>, <x_j, y_j>)`` ``[n]`` over the rows of ``x``, ``y`` ``[n, p]``,
     all three in one order of arithmetic (a row paired with its copy: the three equal exactly);
-    rows stored as the columns of a ``[p, n]`` tensor (a down projection's) 512 of its rows at
-    a time, where a row-wise product would read it across (25 times slower)."""
+    rows stored as the columns of a ``[p, n]`` tensor (a down projection's) a block of its rows
+    at a time, where a row-wise product would read it across (25 times slower), each block's
+    product at most ``2^18`` numbers (1 MiB in float32: under the 2 MiB above which the
+    streamed commands map a block afresh, `attnid.allocator.return_freed_memory`)."""
     if x.dim() == 2 and x.stride(0) == 1 and x.shape[1] > 1:
         X, Y = x.T, y.T
+        rows = max(1, 2**18 // X.shape[1])
 
         def dot(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return sum((u[s:s + 512] * v[s:s + 512]).sum(0) for s in range(0, u.shape[0], 512))  # type: ignore[return-value]
+            return sum((u[s:s + rows] * v[s:s + rows]).sum(0) for s in range(0, u.shape[0], rows))  # type: ignore[return-value]
 
         return dot(X, X), dot(Y, Y), dot(X, Y)
     return _dot(x, x), _dot(y, y), _dot(x, y)
