@@ -16,7 +16,8 @@ from attnid.whole.transforms.state import ModelTensors
 
 
 def whole(model, ids: torch.Tensor, batch: int):
-    """What `collect` keeps, from the whole float64 model (eager attention) and its hooks."""
+    """What `collect` keeps, from the whole float64 model (eager attention) and its hooks (each
+    neuron's activations standardised: centred, unit norm)."""
     m = ModelTensors.of(model)
     lay = m.layout
     L = len(lay.layers)
@@ -34,7 +35,8 @@ def whole(model, ids: torch.Tensor, batch: int):
     for i in range(L):
         s = m.spec(i)
         values.append(torch.cat(o_in[i]).reshape(-1, s.n_heads, s.v_head_dim).transpose(0, 1))
-    return torch.cat(states), values, [torch.cat(x) for x in d_in]
+    neurons = [torch.cat(x) - torch.cat(x).mean(0) for x in d_in]  # each column standardised, as kept
+    return torch.cat(states), values, [x / x.norm(dim=0) for x in neurons]
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

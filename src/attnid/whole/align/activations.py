@@ -45,7 +45,7 @@ class Activations:
 
     stream: torch.Tensor  # [N (L), d]: every layer's input, stacked
     values: list[torch.Tensor]  # per layer [H, N, dv]: each head's output (the output projection's input)
-    neurons: list[torch.Tensor]  # per layer [N, f]
+    neurons: list[torch.Tensor]  # per layer [N, f], each neuron's column standardised (mean 0, norm 1)
 
 
 ACTIVATION_BYTES = 8 * 1024**3  # both models' activations, float64, at most this
@@ -117,7 +117,11 @@ def collect(m: Model, ids: torch.Tensor, batch: int = 8) -> Activations:
         s = _spec(src, i)
         z = torch.cat(o_in[i]).reshape(-1, s.n_heads, s.v_head_dim)  # [N, H, dv]
         values.append(z.transpose(0, 1).contiguous())  # [H, N, dv]
-    return Activations(states, values, [torch.cat(x) for x in d_in])
+    neurons = []
+    for i in range(L):  # standardised as they are kept: the matching reads nothing else of them
+        neurons.append(_standardise_(torch.cat(d_in[i])))
+        d_in[i].clear()
+    return Activations(states, values, neurons)
 
 
 def _centred(X: torch.Tensor, layer_norm: bool) -> torch.Tensor:
@@ -130,8 +134,14 @@ def stream_rotation(a: Activations, b: Activations, layer_norm: bool) -> torch.T
 
 
 def _standard(X: torch.Tensor) -> torch.Tensor:
-    X = X - X.mean(0, keepdim=True)
-    return X / X.norm(dim=0, keepdim=True).clamp_min(1e-300)
+    """``X [N, n]`` with each column centred and at unit norm (a copy)."""
+    return _standardise_(X.clone())
+
+
+def _standardise_(X: torch.Tensor) -> torch.Tensor:
+    """`_standard` in place (no second ``[N, f]``: 0.43 GB a 7B layer on 4,864 tokens)."""
+    X -= X.mean(0, keepdim=True)
+    return X.div_(X.norm(dim=0, keepdim=True).clamp_min_(1e-300))
 
 
 def stream_permutation(a: Activations, b: Activations) -> torch.Tensor:
@@ -166,8 +176,9 @@ def head_matching(a: Activations, b: Activations, layer: int, n_kv_heads: int,
 
 def neuron_matching(a: Activations, b: Activations, layer: int, signed: bool) -> torch.Tensor:
     """``perm [f]`` of B's neurons (correlation; ``signed=False``: its absolute value), the
-    ``[f, f]`` correlations made a block of rows at a time (`blocked_assignment`)."""
-    SA, SB = _standard(a.neurons[layer]), _standard(b.neurons[layer])  # [N, f]
+    ``[f, f]`` correlations made a block of rows at a time (`blocked_assignment`) from the
+    standardised activations as kept (`Activations.neurons`: no copy of them made)."""
+    SA, SB = a.neurons[layer], b.neurons[layer]  # [N, f]
 
     def cost(X: torch.Tensor, Y: torch.Tensor) -> Callable[[slice], torch.Tensor]:
         return lambda s: (X[:, s].T @ Y).neg_() if signed else (X[:, s].T @ Y).abs_().neg_()
