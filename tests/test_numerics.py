@@ -66,3 +66,19 @@ def test_storage_rounding_stays_within_the_two_eps_rule(dtype):
 def test_relative_error_never_passes_nan():
     assert relative_error(torch.tensor([float("nan")]), torch.tensor([1.0])) == float("inf")
     assert relative_error(torch.tensor([1.0, 0.0]), torch.tensor([1.0, 1e-3])) == pytest.approx(1e-3)
+
+
+@pytest.mark.parametrize("layout", ["rows", "transposed"])
+@pytest.mark.parametrize("dim", [0, 1])
+def test_sums_of_products_in_blocks_along_the_stored_rows(layout, dim, monkeypatch):
+    """`sums_of_products` equals ``(x * y).sum(dim)`` (float64, 1e-14) whichever way the rows are
+    stored and however small the blocks, and a tensor with its copy gives its own sums exactly."""
+    monkeypatch.setattr(numerics, "DISTANCE_CHUNK", 40)  # many blocks, one a partial one
+    g = torch.Generator().manual_seed(0)
+    x, y = (torch.randn(37, 11, generator=g, dtype=torch.float64) for _ in range(2))
+    if layout == "transposed":
+        x, y = x.T.contiguous().T, y.T.contiguous().T
+    got, want = numerics.sums_of_products(x, y, dim), (x * y).sum(dim)
+    err = relative_error(got, want)
+    assert err < 1e-14, f"{layout}, dim {dim}: relative error {err:.1e}"
+    assert torch.equal(numerics.sums_of_products(x, x.clone(), dim), numerics.sums_of_products(x, x, dim))

@@ -60,6 +60,27 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 DISTANCE_CHUNK = 1 << 18  # elements per step of a squared distance: the difference stays in cache
 
 
+def sums_of_products(x: torch.Tensor, y: torch.Tensor, dim: int) -> torch.Tensor:
+    """``(x * y).sum(dim)`` of two ``[n, p]`` tensors (0: per column ``[p]``, 1: per row ``[n]``)
+    without the full-size product: along ``x``'s stored rows (a transposed view, such as a down
+    projection's ``[f, d]``: its stored ``[d, f]``'s, which a row-wise pass would read across,
+    25 times slower), a block of at most :data:`DISTANCE_CHUNK` numbers at a time (1 MiB in
+    float32: in cache, and under the 2 MiB above which the streamed commands map a block
+    afresh, `attnid.allocator.return_freed_memory`). The same inputs in the same layout give
+    the same bits: ``x`` paired with its copy gives ``sums_of_products(x, x, dim)`` exactly.
+
+    >>> sums_of_products(torch.tensor([[1.0, 2.0], [3.0, 4.0]]), torch.ones(2, 2), 1)
+    tensor([3., 7.])
+    """
+    if x.stride(0) == 1 and x.stride(1) != 1:
+        x, y, dim = x.T, y.T, 1 - dim
+    rows = max(1, DISTANCE_CHUNK // max(1, x.shape[1]))
+    parts = [(a * b).sum(dim) for a, b in zip(x.split(rows), y.split(rows), strict=True)]
+    if not parts:  # no rows
+        return (x * y).sum(dim)
+    return torch.cat(parts) if dim == 1 else sum(parts[1:], parts[0])
+
+
 def sq_distance(x: torch.Tensor, y: torch.Tensor) -> float:
     """``||x - y||^2``, a cache-sized chunk at a time: no full-size difference is made (a 32000 x
     4096 table's would be 0.5 GB in float32). Each chunk's norm in the tensors' dtype (float32

@@ -169,7 +169,7 @@ def test_a_rewrites_neurons_are_found_on_a_few_probes_and_checked_as_stored(kind
     other, _, _ = _rewrite_mlp(kind, seed=1)
     found = match.nearest_neurons(probed(A), probed(other), chunk=64)
     assert found is None or not match.neurons_within(A, reordered(other, found), eps)
-    # the down columns as stored ([k, f], read across by `match._dots`): the same verdicts
+    # the down columns as stored ([k, f], read along their stored rows: `numerics.sums_of_products`)
     def stored(x: MLP) -> MLP:
         return MLP(x.up, x.down.T.contiguous().T, x.gate, None, None, x.kind, {})
 

@@ -41,7 +41,7 @@ from torch import nn
 import attnid.whole.fit.canonical as C
 from attnid.adapters.layout import Lin
 from attnid.errors import AttnidError, renamed_keyword
-from attnid.numerics import sq_distance
+from attnid.numerics import sq_distance, sums_of_products
 from attnid.whole.align.activations import (
     check_memory,
     collect,
@@ -204,20 +204,21 @@ def _heads(a: ModelTensors, b: ModelTensors, i: int) -> torch.Tensor:
     return match_heads(wa, wb)
 
 
+def _own_rows(m: ModelTensors, lin: Lin) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A linear map's weight and bias as stored, a fused map's own rows only (a view)."""
+    W, c = m.weight(lin), m.bias(lin)
+    if lin.rows is None:
+        return W, c
+    r = slice(*lin.rows)
+    return W[r], None if c is None else c[r]
+
+
 def _stored_mlp(m: ModelTensors, i: int) -> MLP:
     """Layer ``i``'s MLP as stored, a row per neuron (no gain folded, no probes): what a
     checkpoint's rounding acts on."""
     lay = m.layout
     up, down = lay.mlps[i]
-
-    def rows(lin: Lin) -> tuple[torch.Tensor, torch.Tensor | None]:
-        W, c = m.weight(lin), m.bias(lin)
-        if lin.rows is None:
-            return W, c
-        r = slice(*lin.rows)
-        return W[r], None if c is None else c[r]
-
-    (U, cu), (G, cg) = rows(up), rows(lay.gates[i]) if lay.gates else (None, None)
+    (U, cu), (G, cg) = _own_rows(m, up), _own_rows(m, lay.gates[i]) if lay.gates else (None, None)
     return MLP(U, m.weight(down).T, G, cu, cg, lay.mlp, {})
 
 
@@ -306,30 +307,16 @@ def _identity(M: torch.Tensor) -> bool:
 def _up(m: ModelTensors, i: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's scaled side per neuron ``[f, n]`` (up rows, bias) and its down columns ``[f, d]``."""
     up, down = m.layout.mlps[i]
-    W = m.weight(up)
-    c = m.bias(up)
-    if up.rows is not None:
-        W, c = W[up.rows[0]:up.rows[1]], None if c is None else c[up.rows[0]:up.rows[1]]
+    W, c = _own_rows(m, up)
     X = W if c is None else torch.cat([W, c[:, None]], 1)
     return X, m.weight(down).T
 
 
-def _sums(XA: torch.Tensor, XB: torch.Tensor, dim: int, elements: int = 2**18
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+def _sums(XA: torch.Tensor, XB: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(|x_B|^2, <x_B, x_A>)`` of ``X [n, p]`` over ``dim`` (0: per column ``[p]``, 1: per row
-    ``[n]``), a block of stored rows at a time (a down projection's ``[f, d]`` view: its stored
-    ``[d, f]``), each block's temporaries at most ``elements`` numbers: 1 MiB in float32, under
-    the 2 MiB above which the streamed commands map every block afresh
-    (`attnid.allocator.return_freed_memory`), and in cache. No full-size product of a 7B layer's
-    weights is made; 2,048-row blocks took 3 to 4 times as long."""
-    if XB.dim() == 2 and XB.stride(0) == 1 and XB.stride(1) != 1:
-        return _sums(XA.T, XB.T, 1 - dim, elements)
-    rows = max(1, elements // max(1, XB.shape[-1]))
-    parts = [((xb**2).sum(dim), (xb * xa).sum(dim))
-             for xa, xb in zip(XA.split(rows), XB.split(rows), strict=True)]
-    if dim == 0:
-        return sum(p[0] for p in parts), sum(p[1] for p in parts)  # type: ignore[return-value]
-    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    ``[n]``), in blocks (`attnid.numerics.sums_of_products`: no full-size product of a 7B
+    layer's weights; 2,048-row blocks took 3 to 4 times as long)."""
+    return sums_of_products(XB, XB, dim), sums_of_products(XB, XA, dim)
 
 
 def fit_mlp(a: ModelTensors, b: ModelTensors, i: int) -> tuple[ModelTensors, torch.Tensor]:

@@ -27,6 +27,7 @@ from collections.abc import Callable
 import torch
 
 from attnid.errors import require
+from attnid.numerics import sums_of_products
 from attnid.rope import plane_dims
 from attnid.weights import AttentionWeights
 from attnid.whole.fit.canonical import MLP
@@ -182,8 +183,9 @@ def _pair_cost(fa: tuple[torch.Tensor, torch.Tensor | None], fb: tuple[torch.Ten
 
 
 def _dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Row-wise ``<x_j, y_j>`` ``[n]`` (no ``[n, p]`` product made: a 7B MLP's is 34 MB a block)."""
-    return torch.einsum("ij,ij->i", x, y)
+    """Row-wise ``<x_j, y_j>`` ``[n]`` (`attnid.numerics.sums_of_products`: in blocks, along the
+    stored rows, ``x`` with its copy exactly ``_dot(x, x)``)."""
+    return sums_of_products(x, y, 1)
 
 
 def _diagonal(fa: tuple[torch.Tensor, torch.Tensor | None], fb: tuple[torch.Tensor, torch.Tensor | None]
@@ -237,48 +239,36 @@ def nearest_neurons(A: MLP, B: MLP, chunk: int = 2048) -> torch.Tensor | None:
     return near if torch.equal(near.sort().values, torch.arange(near.numel())) else None
 
 
-def _dots(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(<x_j, x_j>, <y_j, y_j>, <x_j, y_j>)`` ``[n]`` over the rows of ``x``, ``y`` ``[n, p]``,
-    all three in one order of arithmetic (a row paired with its copy: the three equal exactly);
-    rows stored as the columns of a ``[p, n]`` tensor (a down projection's) a block of its rows
-    at a time, where a row-wise product would read it across (25 times slower), each block's
-    product at most ``2^18`` numbers (1 MiB in float32: under the 2 MiB above which the
-    streamed commands map a block afresh, `attnid.allocator.return_freed_memory`)."""
-    if x.dim() == 2 and x.stride(0) == 1 and x.shape[1] > 1:
-        X, Y = x.T, y.T
-        rows = max(1, 2**18 // X.shape[1])
-
-        def dot(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return sum((u[s:s + rows] * v[s:s + rows]).sum(0) for s in range(0, u.shape[0], rows))  # type: ignore[return-value]
-
-        return dot(X, X), dot(Y, Y), dot(X, Y)
-    return _dot(x, x), _dot(y, y), _dot(x, y)
-
-
-def neurons_within(A: MLP, B: MLP, tol: float) -> bool:
+def neurons_within(A: MLP, B: MLP, tol: float, chunk: int = 256) -> bool:
     """Whether every neuron ``j`` of A is within ``tol`` of B's neuron ``j`` (the relative cost
-    of `match_neurons`, at most ``tol^2``). Costs are never negative, so no pairing's total is
-    below this one's by more than ``f tol^2``: with ``tol`` a storage rounding, pairing each
-    neuron with its namesake is the optimum to that rounding (docs/theory.md §13.19)."""
-    cost = torch.zeros(A.up.shape[0], dtype=A.up.dtype)
-    for (a, a2), (b, b2) in zip(_neuron_features(A), _neuron_features(B), strict=True):
-        na, nb, cross = _dots(a, b)
-        if a2 is not None:  # |u d^T|^2 = |u|^2 |d|^2, <u d^T, v e^T> = <u, v> <d, e>
-            ma, mb, mc = _dots(a2, b2)
-            na, nb, cross = na * ma, nb * mb, cross * mc
-        cost += (na + nb - 2 * cross).clamp_min(0) / (na + nb).clamp_min(1e-300)
-    return float(cost.max()) <= tol**2
+    of `match_neurons`, `_diagonal`, at most ``tol^2``), ``chunk`` neurons at a time (a
+    difference of a 7B layer's gate rows whole is 180 MB) and ending at the first that is not.
+    Costs are never negative, so no pairing's total is below this one's by more than
+    ``f tol^2``: with ``tol`` a storage rounding, pairing each neuron with its namesake is the
+    optimum to that rounding (docs/theory.md §13.19)."""
+    fa, fb = _neuron_features(A), _neuron_features(B)
+
+    def rows(feature: tuple[torch.Tensor, torch.Tensor | None], r: slice
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        x, x2 = feature
+        return x[r], None if x2 is None else x2[r]
+
+    for s in range(0, A.up.shape[0], chunk):
+        r = slice(s, s + chunk)
+        cost = sum(_diagonal(rows(x, r), rows(y, r)) for x, y in zip(fa, fb, strict=True))
+        if float(cost.max()) > tol**2:  # type: ignore[union-attr]
+            return False
+    return True
 
 
 def match_neurons(A: MLP, B: MLP, tol: float = 0.0, chunk: int = 2048) -> torch.Tensor:
     """``perm [f]``: A's neuron ``j`` is B's neuron ``perm[j]``. The identity when every neuron
     already matches its namesake to rounding (``tol``; costs are never negative, so that is the
     optimum); else `blocked_assignment` on the costs ``chunk`` rows at a time."""
-    fa, fb = _neuron_features(A), _neuron_features(B)
     f = A.up.shape[0]
-    if float(sum(_diagonal(x, y) for x, y in zip(fa, fb, strict=True)).max()) <= tol**2:
+    if neurons_within(A, B, tol):
         return torch.arange(f)
-    fa, fb = _sketched(fa), _sketched(fb)
+    fa, fb = _sketched(_neuron_features(A)), _sketched(_neuron_features(B))
 
     def cost(x: Features, y: Features) -> Callable[[slice], torch.Tensor]:  # cost(fb, fa): the transpose
         return lambda rows: sum(_pair_cost(p, q, rows) for p, q in zip(x, y, strict=True))  # type: ignore[return-value]
