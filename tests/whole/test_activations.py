@@ -95,8 +95,8 @@ def test_head_matching_from_outputs_is_the_cosine_of_the_writes(block, frame, mo
     back = (lambda X: X @ Q) if frame == "stream rotated" else (lambda X: X[..., perm])
     zB = zA[shuffle] + 0.1 * torch.randn(H, N, dv, generator=g, dtype=torch.float64)
     WB = move(WA[shuffle])  # B's projections in B's own stream frame
-    a, b = (act.Activations(torch.zeros(1, d), [z], []) for z in (zA, zB))
-    got = act.head_matching(a, b, 0, G, WA, back(WB))
+    none = act.StreamSums.of(torch.zeros(1, d), torch.zeros(1, d))
+    got = act.head_matching(act.Pair(none, ((zA, zB),), ()), 0, G, WA, back(WB))
     xa, xb = torch.einsum("hnv,hvd->hnd", zA, WA), back(torch.einsum("hnv,hvd->hnd", zB, WB))
     fa, fb = (x.flatten(1) / x.flatten(1).norm(dim=1, keepdim=True) for x in (xa, xb))
     want = act.assign_heads(1 - fa @ fb.T, G)
@@ -139,3 +139,85 @@ def test_activations_hold_no_head_and_the_table_as_stored(family, tmp_path):
     errs = [rel(got.stream, states)] + [rel(a, b) for a, b in zip(got.values, values, strict=True)]
     errs += [rel(a, b) for a, b in zip(got.neurons, neurons, strict=True)]
     assert max(errs) <= 1e-12, f"{family}: relative errors {errs}"
+
+
+def _centred(X: torch.Tensor, layer_norm: bool) -> torch.Tensor:
+    return X - X.mean(-1, keepdim=True) if layer_norm else X
+
+
+@pytest.mark.parametrize("layer_norm", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_stream_sums_give_the_fits_on_the_states(layer_norm, dtype, monkeypatch):
+    """The stream's rotation and permutation from `StreamSums` (summed a block of rows at a time,
+    float64) are those fitted on the stacked states themselves: Procrustes on the (centred)
+    states and linear assignment on the columns' correlations; both recover the rotation and
+    the permutation B was made with (plus noise)."""
+    from attnid.whole.align import activations as act
+    from attnid.whole.fit.match import assignment
+    from attnid.whole.fit.rotation import procrustes
+
+    g = torch.Generator().manual_seed(3)
+    n, d = 200, 12
+    SA = (torch.randn(n, d, generator=g, dtype=torch.float64) + 3.0 * torch.rand(d, generator=g,
+                                                                               dtype=torch.float64))
+    Q = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))[0]
+    if layer_norm:  # a rotation of the centred stream: Q 1 = 1
+        from attnid.whole.fit.rotation import procrustes_cross
+        Q = procrustes_cross(Q, True)
+    perm = torch.randperm(d, generator=g)
+    noise = lambda: 1e-3 * torch.randn(n, d, generator=g, dtype=torch.float64)  # noqa: E731
+    SBr, SBp = SA @ Q.T + noise(), SA[:, torch.argsort(perm)] + noise()  # B's coordinate perm[i] is A's i
+    SA, SBr, SBp = SA.to(dtype), SBr.to(dtype), SBp.to(dtype)
+    monkeypatch.setattr(act.StreamSums.of.__func__, "__defaults__", (7,))  # blocks of 7 rows
+    sums = act.StreamSums.of(SA, SBr)
+    got = sums.rotation(layer_norm)
+    want = procrustes(_centred(SBr.double(), layer_norm), _centred(SA.double(), layer_norm), layer_norm)
+    err = float((got - want).norm() / want.norm())
+    assert err <= 1e-10, f"rotation from the sums against the states: relative error {err:.2e}"
+    assert float((got - Q).norm() / Q.norm()) <= 1e-2, "the rotation B was made with is not recovered"
+    p = act.StreamSums.of(SA, SBp).permutation()
+    std = lambda X: (X - X.mean(0)) / (X - X.mean(0)).norm(dim=0)  # noqa: E731
+    direct = assignment(-(std(SA.double()).T @ std(SBp.double())))
+    assert torch.equal(p, direct) and torch.equal(p, perm), f"{p.tolist()} {direct.tolist()} {perm.tolist()}"
+    same = act.StreamSums.of(SA, SA.clone())
+    assert same.equal and torch.equal(same.rotation(layer_norm), torch.eye(d, dtype=torch.float64))
+
+
+def test_activations_are_kept_in_the_checkpoints_compute_dtype(tmp_path):
+    """A bfloat16 checkpoint's activations are collected and kept in float32 (its gauge fits'
+    arithmetic), each within float32 rounding of the float64 ones; a model in memory (float64)
+    keeps float64. `pair` then matches every layer's neurons as
+    `neuron_matching` does on the activations, and lets them go."""
+    from attnid.adapters.base import build_hf_model
+    from attnid.checkpoint.load import open_checkpoint
+    from attnid.checkpoint.units import open_units
+    from attnid.whole.align import activations as act
+
+    cfg = FAMILIES["llama-gqa"]
+    model = build_hf_model(cfg, head=True)
+    with torch.no_grad():
+        model.load_state_dict(tiny_model(cfg).state_dict())
+    for p in model.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "m")
+    src = open_units(open_checkpoint(tmp_path / "m"))
+    assert act.keep_dtype(src) == torch.float32
+    assert act.keep_dtype(ModelTensors.of(tiny_model(cfg))) == torch.float64
+    ids = torch.randint(0, model.config.vocab_size, (3, 5), generator=torch.Generator().manual_seed(1))
+    wide, kept = act.collect(src, ids, batch=2), act.collect(src, ids, batch=2, dtype=torch.float32)
+    pieces = [(kept.stream, wide.stream), *zip(kept.values, wide.values, strict=True),
+              *zip(kept.neurons, wide.neurons, strict=True)]
+    assert all(x.dtype == torch.float32 for x, _ in pieces)
+    errs = [rel(x.double(), y) for x, y in pieces]
+    assert max(errs) <= 4e-6, f"float32 activations against float64: relative errors {errs}"
+    want = [act.neuron_matching(kept, kept, i, signed=False) for i in range(len(kept.neurons))]
+    other = act.collect(src, ids, batch=2, dtype=torch.float32)
+    shuffled = [torch.randperm(x.shape[1], generator=torch.Generator().manual_seed(i))
+                for i, x in enumerate(other.neurons)]
+    other.neurons[:] = [x[:, s] for x, s in zip(other.neurons, shuffled, strict=True)]
+    got = act.pair(kept, other, signed=False)
+    assert all(torch.equal(w, torch.arange(len(w))) for w in want)
+    back = [torch.argsort(s).tolist() for s in shuffled]  # A's neuron j is B's column perm[j]
+    assert [g.tolist() for g in got.neurons] == back, f"neurons matched {got.neurons} against {back}"
+    assert kept.neurons == [] and other.neurons == [], "the neurons' activations are still held"
+    assert len(got.values) == len(kept.values) and got.values[0][0] is kept.values[0]

@@ -83,7 +83,7 @@ def test_the_gradient_through_a_tied_table(family, config, pieces, monkeypatch):
 def compare_gradients(family: str, pieces: bool, monkeypatch, uniform: bool = False, **config) -> list[str]:
     """The refinement's objective and gradient a unit at a time against the whole model's, at a
     random element; the parts refined."""
-    if pieces:  # 3 sequences of 6 tokens: each part after the forward one sequence at a time
+    if pieces:  # 3 sequences of 6 tokens: every part, the forward's layers too, a sequence at a time
         monkeypatch.setattr(refine_units_module, "BLOCK", 5)
         monkeypatch.setattr(refine_units_module, "MICRO_TOKENS", 6)
     conf, A, al = pair(family, uniform, **config)

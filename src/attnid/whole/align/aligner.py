@@ -42,12 +42,7 @@ import attnid.whole.fit.canonical as C
 from attnid.adapters.layout import Lin
 from attnid.errors import AttnidError, renamed_keyword
 from attnid.numerics import sq_distance, sums_of_products
-from attnid.whole.align.activations import (
-    check_memory,
-    collect,
-    head_matching,
-    neuron_matching,
-)
+from attnid.whole.align.activations import check_memory, collect, head_matching, keep_dtype, pair
 from attnid.whole.align.additive import fit_additive
 from attnid.whole.align.gauges import Kind, pair_fit, scalar_fit
 from attnid.whole.align.stream import ROUNDS, Pair, cross, fit_stream, gains_to, permuted, refit
@@ -249,8 +244,8 @@ def fit_permutations(a: ModelTensors, b: ModelTensors, i: int, acts: Pair | None
         heads = _heads(a, b, i)
         neurons, b = _neurons(a, head_permutation(b, i, heads), i, tol)  # (heads leave the MLP as it is)
         return b, heads, neurons
-    heads = head_matching(*acts, i, b.spec(i).n_kv_heads, a.attention(i).W_O, b.attention(i).W_O)
-    neurons = neuron_matching(*acts, i, signed=b.layout.mlp != "gated")
+    heads = head_matching(acts, i, b.spec(i).n_kv_heads, a.attention(i).W_O, b.attention(i).W_O)
+    neurons = acts.neurons[i]  # matched once, as the activations were collected (`activations.pair`)
     return neuron_permutation(head_permutation(b, i, heads), i, neurons), heads, neurons
 
 
@@ -643,6 +638,10 @@ def activations(A: Any, B: Any, subgroup: str, calibration: torch.Tensor | None,
     if subgroup == "none" or calibration is None:
         return None
     check_memory(A, calibration.numel())
-    acts = (collect(A, calibration), collect(B, calibration))
-    (progress or (lambda _: None))(f"activations collected on {calibration.numel()} calibration tokens")
+    say = progress or (lambda _: None)
+    dtype = keep_dtype(B)
+    a = collect(A, calibration, dtype=dtype)
+    say(f"A's activations collected on {calibration.numel()} calibration tokens")
+    acts = pair(a, collect(B, calibration, dtype=dtype), signed=B.layout.mlp != "gated")
+    say(f"activations collected on {calibration.numel()} calibration tokens; neurons matched")
     return acts

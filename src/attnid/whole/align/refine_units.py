@@ -20,9 +20,10 @@ model's dtype):
 4. **The tables' part.** A forward with the tables at ``t`` as leaves that stops at the first
    slot, whose input takes the first layer's input gradient.
 
-Parts 2-4 run ``MICRO_TOKENS`` tokens of the batch (whole sequences) at a time, the gradients
-summed over them (the loss is a mean over tokens): a part's logits and graph are held, not the
-batch's. Each weight gradient is then pulled back to ``g`` (`UnitPathLoss._pull`): B's tensors moved by
+Every part runs ``MICRO_TOKENS`` tokens of the batch (whole sequences) at a time (the forward
+on each layer's weights made once for all), the gradients of parts 2-4 summed over them (the
+loss is a mean over tokens): a part's logits, graph and a layer's intermediates are held, not
+the batch's. Each weight gradient is then pulled back to ``g`` (`UnitPathLoss._pull`): B's tensors moved by
 ``g`` again with a graph, a group of `coupled` tensors at a time, tables, heads and plain MLPs
 ``BLOCK`` rows at a time, so that one group's or block's graph is held, not a unit's. The
 gradients reach ``g``'s tensors (the stream rotation, each layer's maps, the gains) held as
@@ -330,17 +331,25 @@ class UnitPathLoss:
         float32 at 7B widths not held through the layers);
         the head's part (the forward again, every slot handing back the last layer's output),
         which gives the loss; each layer's, last to first; the tables', through a forward that
-        stops at the first slot. Every part after the first runs ``MICRO_TOKENS`` tokens of
-        ``ids`` at a time (whole sequences), its weights' gradients summed over them."""
+        stops at the first slot. Every layer runs ``MICRO_TOKENS`` tokens of ``ids`` at a time
+        (whole sequences; in the forward on the weights made once), the weights' gradients of
+        each part after the forward summed over them."""
         lm, L = self.lm, self.L
         kept: list[tuple[tuple, dict]] = []
         ran = [0]
         start: torch.Tensor | None = None
+        b = ids.shape[0]
+        m = self.micro(ids)
+        parts = [slice(j, j + m) for j in range(0, b, m)]
 
         def run(i: int, args: tuple, kwargs: dict) -> Any:
             x = start if i == 0 and start is not None else _hidden(args, kwargs).detach()
             a, kw = _with_hidden(args, kwargs, x)
-            out = torch.func.functional_call(lm.layers[i], self._layer(i, g, t), a, kw)
+            w = self._layer(i, g, t)  # made once, run on each part (a 7B layer's MLP on 4,096 tokens
+            outs = [torch.func.functional_call(lm.layers[i], w, *_rows((a, kw), p, b))  # is 0.7 GB)
+                    for p in parts]
+            out = outs[0] if len(outs) == 1 else _like(outs[0], torch.cat([_first(o) for o in outs]))
+            del w, outs
             ran[0] += 1
             if grad:  # what each layer's part starts from
                 kept.append((a, kw))
@@ -365,9 +374,6 @@ class UnitPathLoss:
                 raise AttnidError("internal: the forward did not reach the last layer")
         if ran[0] != L:
             raise AttnidError(f"internal: the forward ran {ran[0]} of {L} layers")
-        b = ids.shape[0]
-        m = self.micro(ids)
-        parts = [slice(j, j + m) for j in range(0, b, m)]
         units = {self.a.unit_of[n] for n in rest}
         tail = units - {0} if not self.a.layout.tied else units  # the head reads a tied table
         if grad:

@@ -14,7 +14,8 @@ from collections.abc import Iterator
 
 import torch
 
-from attnid.whole.align.activations import Activations, stream_permutation, stream_rotation
+from attnid.errors import AttnidError
+from attnid.whole.align.activations import Pair
 from attnid.whole.fit.fitter import table_rows
 from attnid.whole.fit.match import assignment
 from attnid.whole.fit.rotation import procrustes, procrustes_cross, rows
@@ -55,25 +56,28 @@ def _final_gain(src: UnitSource) -> torch.Tensor | None:
     return src.rows(name, 0, src.shape(name)[0]).to(torch.float64) + lay.final.offset
 
 
-Pair = tuple[Activations, Activations]  # A's and B's activations on the calibration tokens
-
-
 def fit_stream(a: UnitSource, b: UnitSource, rotate: bool, acts: Pair | None = None
                ) -> tuple[torch.Tensor | None, torch.Tensor | None, str]:
     """How B's stream is aligned: ``(rotation, permutation, how)`` (matched on the tables'
-    rows, or on the stream's activations with ``acts``); neither when the stream cannot move."""
+    rows, or on the stream's activations with ``acts``, whose sums it then lets go of: a
+    ``[d, d]`` float64 cross product nothing reads again); neither when the stream cannot move."""
     on = "the embedding and unembedding rows" if acts is None else "the stream's activations"
+    sums = None
+    if acts is not None:
+        if acts.stream is None:
+            raise AttnidError("internal: the stream's activations were already fitted on")
+        sums, acts.stream = acts.stream, None
     lay = b.layout
     why = rotation_refusal(lay, _final_gain(a)) or rotation_refusal(lay, _final_gain(b))
     if rotate and why is None:
         ln = lay.norm == "layer"
-        Q = procrustes(_rows(b), _rows(a), ln) if acts is None else stream_rotation(*acts, ln)
+        Q = procrustes(_rows(b), _rows(a), ln) if sums is None else sums.rotation(ln)
         return Q, None, f"rotation fitted on {on}"
     no = permutation_refusal(ModelTensors(lay, {}))
     if no:
         return None, None, f"not aligned: {no}"
     # A's coordinate i is B's perm[i]
-    perm = assignment(-(_rows(a).T @ _rows(b))) if acts is None else stream_permutation(*acts)
+    perm = assignment(-(_rows(a).T @ _rows(b))) if sums is None else sums.permutation()
     how = f"permutation matched on {on}"
     if rotate:
         how += f" (no rotation: {why})"
