@@ -74,13 +74,15 @@ def test_streamed_activations_are_the_whole_models(family, groups, tmp_path, mon
         assert max(errs) <= 1e-12, f"{family} from {where}, {groups}: relative errors {errs}"
 
 
+@pytest.mark.parametrize("held", ["outputs", "sums"])
 @pytest.mark.parametrize("block", ["one block", "a token a block"])
 @pytest.mark.parametrize("frame", ["stream rotated", "stream permuted"])
-def test_head_matching_from_outputs_is_the_cosine_of_the_writes(block, frame, monkeypatch):
-    """Heads matched from their outputs and the output projections (B's in A's stream frame),
-    a token block at a time, equal those matched on the writes themselves ``z_h W_O^h``
-    (B's moved into A's frame afterwards): the same assignment, which is the shuffle B was
-    built with (B's heads A's, shuffled within kv groups, plus noise)."""
+def test_head_matching_from_outputs_is_the_cosine_of_the_writes(held, block, frame, monkeypatch):
+    """Heads matched from their outputs (or their `HeadSums`) and the output projections (B's in
+    A's stream frame), a token block at a time, equal those matched on the writes themselves
+    ``z_h W_O^h`` (B's moved into A's frame afterwards): the same assignment, which is the
+    shuffle B was built with (B's heads A's, shuffled within kv groups, plus noise); the sums
+    give the writes' inner products and norms to float64 rounding."""
     from attnid.whole.align import activations as act
 
     if block != "one block":
@@ -96,8 +98,16 @@ def test_head_matching_from_outputs_is_the_cosine_of_the_writes(block, frame, mo
     zB = zA[shuffle] + 0.1 * torch.randn(H, N, dv, generator=g, dtype=torch.float64)
     WB = move(WA[shuffle])  # B's projections in B's own stream frame
     none = act.StreamSums.of(torch.zeros(1, d), torch.zeros(1, d))
-    got = act.head_matching(act.Pair(none, ((zA, zB),), ()), 0, G, WA, back(WB))
+    step = 1 if block != "one block" else 1024
+    kept = (zA, zB) if held == "outputs" else act.HeadSums.of(zA, zB, block=step)
+    got = act.head_matching(act.Pair(none, (kept,), ()), 0, G, WA, back(WB))
     xa, xb = torch.einsum("hnv,hvd->hnd", zA, WA), back(torch.einsum("hnv,hvd->hnd", zB, WB))
+    if held == "sums":
+        inner, na, nb = kept.inner(WA, back(WB))
+        sums = [(inner, torch.einsum("hnd,knd->hk", xa, xb)), (na, xa.square().sum((1, 2))),
+                (nb, xb.square().sum((1, 2)))]
+        errs = [float((x - y).norm() / y.norm()) for x, y in sums]
+        assert max(errs) <= 1e-12, f"the sums' inner products and norms against the writes': {errs}"
     fa, fb = (x.flatten(1) / x.flatten(1).norm(dim=1, keepdim=True) for x in (xa, xb))
     want = act.assign_heads(1 - fa @ fb.T, G)
     assert torch.equal(got, want) and torch.equal(got, shuffle), f"{got.tolist()} vs {want.tolist()}"
@@ -183,7 +193,7 @@ def test_stream_sums_give_the_fits_on_the_states(layer_norm, dtype, monkeypatch)
     assert same.equal and torch.equal(same.rotation(layer_norm), torch.eye(d, dtype=torch.float64))
 
 
-def test_activations_are_kept_in_the_checkpoints_compute_dtype(tmp_path):
+def test_activations_are_kept_in_the_checkpoints_compute_dtype(tmp_path, monkeypatch):
     """A bfloat16 checkpoint's activations are collected and kept in float32 (its gauge fits'
     arithmetic), each within float32 rounding of the float64 ones; a model in memory (float64)
     keeps float64. `pair` then matches every layer's neurons as
@@ -215,9 +225,65 @@ def test_activations_are_kept_in_the_checkpoints_compute_dtype(tmp_path):
     shuffled = [torch.randperm(x.shape[1], generator=torch.Generator().manual_seed(i))
                 for i, x in enumerate(other.neurons)]
     other.neurons[:] = [x[:, s] for x, s in zip(other.neurons, shuffled, strict=True)]
+    monkeypatch.setattr(act.HeadSums, "smaller", staticmethod(lambda *_: False))  # the outputs kept
     got = act.pair(kept, other, signed=False)
     assert all(torch.equal(w, torch.arange(len(w))) for w in want)
     back = [torch.argsort(s).tolist() for s in shuffled]  # A's neuron j is B's column perm[j]
     assert [g.tolist() for g in got.neurons] == back, f"neurons matched {got.neurons} against {back}"
     assert kept.neurons == [] and other.neurons == [], "the neurons' activations are still held"
     assert len(got.values) == len(kept.values) and got.values[0][0] is kept.values[0]
+
+
+@pytest.mark.parametrize("family", ["llama-gqa", "gpt2-untied", "bert"])
+@pytest.mark.parametrize("groups", ["one group", "a chunk a group"])
+@pytest.mark.parametrize("heads", ["outputs", "sums"])
+def test_both_models_run_together_reduce_as_each_alone(family, groups, heads, tmp_path, monkeypatch):
+    """`collect_pair` (A and B run as the two ends of one segment, each layer reduced once both
+    models' rows of it are in) gives what each model collected alone and then reduced (`pair`)
+    gives: the same stream sums and head outputs (or their `HeadSums`) to the rounding of the
+    kept dtype (the groupings run batches of different sizes) and the same neuron matchings;
+    from memory and from bfloat16 checkpoints (float32 kept), in one group of chunks and in
+    groups of one batch."""
+    from attnid.adapters.base import build_hf_model
+    from attnid.checkpoint.load import open_checkpoint
+    from attnid.checkpoint.units import open_units
+    from attnid.whole import layerwise
+    from attnid.whole.align import activations as act
+
+    if groups != "one group":  # groups of one batch (`collect_pair` sets no budget on the states)
+        monkeypatch.setattr(layerwise, "HIDDEN_BUDGET", 1)
+        monkeypatch.setattr(layerwise, "MAX_GATES", 2)  # a forward a point: a batch a group
+    monkeypatch.setattr(act.HeadSums, "smaller", staticmethod(lambda *_: heads == "sums"))
+    cfg = FAMILIES[family]
+    models = [tiny_model(cfg, seed=s) for s in (0, 1)]
+    for k, m in enumerate(models):
+        hf = build_hf_model(cfg, head=True)
+        with torch.no_grad():
+            hf.load_state_dict(m.state_dict())
+        for p in hf.parameters():
+            p.data = p.data.to(torch.bfloat16)
+        hf.save_pretrained(tmp_path / str(k))
+    ids = torch.randint(0, models[0].config.vocab_size, (5, 4), generator=torch.Generator().manual_seed(2))
+    signed = ModelTensors.of(models[0]).layout.mlp != "gated"
+    for where, (A, B) in (("memory", [ModelTensors.of(m) for m in models]),
+                          ("checkpoint", [open_units(open_checkpoint(tmp_path / str(k))) for k in (0, 1)])):
+        dtype = act.keep_dtype(B)
+        want = act.pair(act.collect(A, ids, batch=2, dtype=dtype), act.collect(B, ids, batch=2, dtype=dtype),
+                        signed)
+        got = act.collect_pair(A, B, ids, batch=2, dtype=dtype, signed=signed)
+        case = f"{family} from {where}, {groups}"
+        tol = 1e-12 if dtype == torch.float64 else 1e-6
+        for name in ("cross", "sum_a", "sum_b", "sq_a", "sq_b"):
+            x, y = getattr(got.stream, name), getattr(want.stream, name)
+            err = float((x - y).norm() / y.norm())
+            assert err <= tol, f"{case}: stream {name} relative error {err:.1e}"
+        assert got.stream.n == want.stream.n and got.stream.equal == want.stream.equal == False, case  # noqa: E712
+        if heads == "sums":
+            pairs = [((g.cross, g.gram_a, g.gram_b), (w.cross, w.gram_a, w.gram_b))
+                     for g, w in zip(got.values, want.values, strict=True)]
+        else:
+            pairs = list(zip(got.values, want.values, strict=True))
+        errs = [rel(x.double(), y.double()) for gv, wv in pairs for x, y in zip(gv, wv, strict=True)]
+        assert max(errs) <= tol, f"{case}: head {heads} relative errors {errs}"
+        assert all(x.dtype == dtype for v, _ in pairs for x in v), f"{case}: not kept in {dtype}"
+        assert [p.tolist() for p in got.neurons] == [p.tolist() for p in want.neurons], f"{case}: neurons"

@@ -43,6 +43,26 @@ STEP = 2**24  # elements of B converted at a time while interpolating
 
 R = TypeVar("R")
 Work = Callable[[nn.Module, torch.Tensor], R]  # (the model, token chunks [b, T]) -> what is kept
+_here = threading.local()  # the point each forward's thread runs at
+
+
+def point() -> int:
+    """The index (into ``ts`` of `LayerwiseLM.run`) of the point whose forward is running, for a
+    hook on the layers that keeps each point's activations apart."""
+    return int(_here.point)
+
+
+def group_size(T: int, width: int, dtype: torch.dtype, points: int, batch: int, budget: int | None = None
+               ) -> int:
+    """Chunks of ``T`` tokens a group holds (see the module): every point's hidden states under
+    ``budget`` bytes (None: `HIDDEN_BUDGET`), at most `MAX_GATES` forwards, whole batches when
+    more than one."""
+    per_chunk = 3 * T * width * torch.finfo(dtype).bits // 8 * points
+    group = max(1, (HIDDEN_BUDGET if budget is None else budget) // per_chunk)
+    group = min(group, batch * max(1, MAX_GATES // points))  # threads: one per point and batch
+    if group > batch:
+        group -= group % batch  # whole batches: the same forwards as a run without groups
+    return group
 
 
 class _Gate(Generic[R]):
@@ -300,19 +320,16 @@ class LayerwiseLM:
         path.put(own, t)
 
     def run(self, path: Segment, ts: Sequence[float], ids: torch.Tensor, batch: int, work: Work[R],
-            progress: Callable[[str], None] | None = None) -> list[list[R]]:
+            progress: Callable[[str], None] | None = None, budget: int | None = None) -> list[list[R]]:
         """``work(model, chunks)`` at each point ``ts`` of ``path`` on the token chunks ``ids
         [n, T]``, ``batch`` chunks at a time (fewer when a group holds fewer): per point, the
         results in the chunks' order. ``work`` sees transformers' model, but its layers are
         slots: outputs transformers records with hooks on its layer classes
         (``output_hidden_states``, ``output_attentions``) come back empty; hook the layers
-        (`layers`) instead, as `attnid.whole.align.activations.collect` does."""
+        (`layers`) instead, as `attnid.whole.align.activations.collect` does. ``budget``: bytes of
+        hidden states a group may hold (None: `HIDDEN_BUDGET`)."""
         n, T = int(ids.shape[0]), int(ids.shape[1])
-        per_chunk = 3 * T * self.width * torch.finfo(self.dtype).bits // 8 * len(ts)  # every point's states
-        group = max(1, HIDDEN_BUDGET // per_chunk)
-        group = min(group, batch * max(1, MAX_GATES // len(ts)))  # threads: one per point and batch
-        if group > batch:
-            group -= group % batch  # whole batches: the same forwards as a run without groups
+        group = group_size(T, self.width, self.dtype, len(ts), batch, budget)
         out: list[list[R]] = [[] for _ in ts]
         for g in range(0, n, group):
             chunks = ids[g:g + group]
@@ -323,15 +340,20 @@ class LayerwiseLM:
                 out[k].extend(part)
         return out
 
+    def _at(self, k: int, work: Work[R], x: torch.Tensor) -> R:
+        """``work`` on ``x`` in its forward's own thread, which `point` then says is at ``k``."""
+        _here.point = k
+        return work(self.model, x)
+
     def _group(self, path: Segment, ts: Sequence[float], chunks: list[torch.Tensor], work: Work[R],
                progress: Callable[[str], None] | None) -> list[list[R]]:
         gates: list[list[_Gate[R]]] = []
         try:
-            for t in ts:
+            for k, t in enumerate(ts):
                 self._set_rest(path, t)
                 gates.append([])
                 for x in chunks:  # each gate kept as soon as its thread runs: cancelled on failure
-                    gates[-1].append(_Gate(lambda x=x: work(self.model, x)))
+                    gates[-1].append(_Gate(lambda x=x, k=k: self._at(k, work, x)))
                 for gate in gates[-1]:
                     gate.resume(None)  # embeddings, then parked at slot 0
             for i, layer in enumerate(self.layers):

@@ -44,7 +44,7 @@ from attnid.whole.fit.fitter import compute_dtype
 from attnid.whole.fit.match import assign_heads, assignment, blocked_assignment
 from attnid.whole.fit.rotation import procrustes_cross
 from attnid.whole.fit.source import TensorSource
-from attnid.whole.layerwise import LayerwiseLM, Segment
+from attnid.whole.layerwise import LayerwiseLM, Segment, group_size, point
 from attnid.whole.transforms.state import ModelTensors
 
 Model = Any  # a ModelTensors, or what `attnid.whole.layerwise` reads (a checkpoint's units, a TensorSource)
@@ -87,6 +87,12 @@ class StreamSums:
             sqs += torch.stack([xa.square().sum(0), xb.square().sum(0)])
         return cls(cross, sums[0], sums[1], sqs[0], sqs[1], int(SA.shape[0]), torch.equal(SA, SB))
 
+    def __add__(self, other: StreamSums) -> StreamSums:
+        """The sums over both sets of rows (another layer's states, stacked under these)."""
+        return StreamSums(self.cross + other.cross, self.sum_a + other.sum_a, self.sum_b + other.sum_b,
+                          self.sq_a + other.sq_a, self.sq_b + other.sq_b, self.n + other.n,
+                          self.equal and other.equal)
+
     def rotation(self, layer_norm: bool) -> torch.Tensor:
         """``Q`` minimising ``||S_B Q - S_A||`` (rows centred under LayerNorm, which ignores
         all-ones: ``(S P)^T (S P) = P S^T S P`` for the centring projection ``P``)."""
@@ -117,7 +123,7 @@ class Pair:
     again in each pass), and per layer B's neurons matched to A's."""
 
     stream: StreamSums | None
-    values: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    values: tuple[HeadSums | tuple[torch.Tensor, torch.Tensor], ...]  # per layer, or their sums
     neurons: tuple[torch.Tensor, ...]  # per layer perm [f]: A's neuron j is B's perm[j]
 
 
@@ -138,30 +144,81 @@ def keep_dtype(m: Model) -> torch.dtype:
     return compute_dtype(_source(m).dtype())
 
 
+def _widths(m: Model) -> list[tuple[int, int, int, int]]:
+    """Per layer ``(d, H, dv, f)``: a token's stream, heads and their width, neurons."""
+    src = _source(m)
+    out = []
+    for i in range(len(src.layout.layers)):
+        down = src.layout.mlps[i][1]
+        shape = src.shape(f"{down.path}.weight")  # stored: [out = d, in = f], Conv1D [f, d]
+        d, f = shape[::-1] if down.conv1d else shape
+        s = _spec(src, i)
+        out.append((d, s.n_heads, s.v_head_dim, f))
+    return out
+
+
 def activation_bytes(m: Model, tokens: int) -> int:
     """What :func:`collect` keeps for one model on ``tokens`` positions (in `keep_dtype`): the
     stream at every layer's input ``[N, d]``, every head's output ``[H, N, dv]`` and every
     neuron ``[N, f]``."""
-    src = _source(m)
-    lay = src.layout
-    per_token = 0
-    for i in range(len(lay.layers)):
-        down = lay.mlps[i][1]
-        shape = src.shape(f"{down.path}.weight")  # stored: [out = d, in = f], Conv1D [f, d]
-        d, f = shape[::-1] if down.conv1d else shape
-        s = _spec(src, i)
-        per_token += d + s.n_heads * s.v_head_dim + f
-    return keep_dtype(m).itemsize * tokens * per_token
+    return keep_dtype(m).itemsize * tokens * sum(d + H * dv + f for d, H, dv, f in _widths(m))
 
 
-def check_memory(m: Model, tokens: int) -> None:
+def held_bytes(m: Model, ids: torch.Tensor, batch: int = 8) -> int:
+    """What :func:`collect_pair` holds at most for both models on the chunks ``ids [n, T]``:
+    every layer's head outputs or their `HeadSums` (the smaller), and one layer's stream and
+    neurons when the chunks are one group of `attnid.whole.layerwise` (every layer's until the
+    last group otherwise)."""
+    widths = _widths(m)
+    n, T = int(ids.shape[0]), int(ids.shape[1])
+    N, dtype = n * T, keep_dtype(m)
+    group = group_size(T, widths[0][0], dtype, 2, batch, ONE_GROUP)
+    rest = [2 * N * (d + f) for d, _, _, f in widths]
+    heads = sum(min(2 * N * H * dv, (H * dv) ** 2 + 2 * H * dv * dv) for _, H, dv, _ in widths)
+    hidden = 2 * 3 * min(n, group) * T * widths[0][0]  # the runner's states: 3 a chunk and model
+    return dtype.itemsize * (heads + hidden + (max(rest, default=0) if n <= group else sum(rest)))
+
+
+def check_memory(m: Model, ids: torch.Tensor) -> None:
     """Refuse (one line, before any work) a calibration whose activations would not fit."""
-    need = 2 * activation_bytes(m, tokens)
+    tokens = int(ids.numel())
+    need = held_bytes(m, ids)
     if need > ACTIVATION_BYTES:
         fit = max(1, tokens * ACTIVATION_BYTES // need)
         raise AttnidError(f"--calibration: matching on {tokens} tokens keeps {need / 1024**3:.1f} GiB of "
                           f"activations of the two models (at most {ACTIVATION_BYTES / 1024**3:.0f} GiB): "
                           f"give a file of at most about {fit} tokens, or match on the weights")
+
+
+KINDS = ("stream", "values", "neurons")  # what is kept of a forward (see `_hooked`)
+
+
+def _hooked(lm: LayerwiseLM, lay: Any, keep: Callable[[str, int, torch.Tensor], None]) -> None:
+    """Hooks on ``lm``'s layers handing ``keep(kind, layer, rows [n, width])`` each layer's input
+    (``stream``), each head's output (``values``: the output projection's input) and each neuron
+    (``neurons``: the down projection's input)."""
+    flat = lambda x: x.reshape(-1, x.shape[-1])  # noqa: E731
+    for i, layer in enumerate(lm.layers):
+        o_proj, down = (layer.get_submodule(lin.path[len(lay.layers[i]):])
+                        for lin in (lay.writers[i][0], lay.mlps[i][1]))
+        o_proj.register_forward_pre_hook(lambda _, x, i=i: keep("values", i, flat(x[0])))
+        down.register_forward_pre_hook(lambda _, x, i=i: keep("neurons", i, flat(x[0])))
+        layer.register_forward_pre_hook(lambda _, a, kw, i=i: keep("stream", i, flat(
+            a[0] if a else kw["hidden_states"])), with_kwargs=True)
+
+
+def _runner(dtype: torch.dtype) -> Callable[[Any, torch.Tensor], None]:
+    def run(model: Any, x: torch.Tensor) -> None:
+        with Float64Mode() if dtype == torch.float64 else nullcontext():  # norms and softmax too
+            model.base_model(input_ids=x, use_cache=False)
+
+    return run
+
+
+def _heads(src: Any, i: int, z: torch.Tensor) -> torch.Tensor:
+    """Layer ``i``'s head outputs ``[N, H dv]`` as ``[H, N, dv]``."""
+    s = _spec(src, i)
+    return z.reshape(-1, s.n_heads, s.v_head_dim).transpose(0, 1).contiguous()
 
 
 def collect(m: Model, ids: torch.Tensor, batch: int = 8, dtype: torch.dtype = torch.float64) -> Activations:
@@ -172,42 +229,73 @@ def collect(m: Model, ids: torch.Tensor, batch: int = 8, dtype: torch.dtype = to
     lay = src.layout
     lm = LayerwiseLM(src, dtype, eager=True, head=False)  # no head; the table as stored
     L = len(lay.layers)
-    o_in: list[list[torch.Tensor]] = [[] for _ in range(L)]
-    d_in: list[list[torch.Tensor]] = [[] for _ in range(L)]
-    s_in: list[list[torch.Tensor]] = [[] for _ in range(L)]  # each layer's input, batch by batch
-    flat = lambda x: x.reshape(-1, x.shape[-1])  # noqa: E731
-    for i, layer in enumerate(lm.layers):
-        o_proj, down = (layer.get_submodule(lin.path[len(lay.layers[i]):])
-                        for lin in (lay.writers[i][0], lay.mlps[i][1]))
-        o_proj.register_forward_pre_hook(lambda _, x, i=i: o_in[i].append(flat(x[0])))
-        down.register_forward_pre_hook(lambda _, x, i=i: d_in[i].append(flat(x[0])))
-        layer.register_forward_pre_hook(
-            lambda _, a, kw, i=i: s_in[i].append(flat(a[0] if a else kw["hidden_states"])), with_kwargs=True)
-
-    def run(model: Any, x: torch.Tensor) -> None:
-        with Float64Mode() if dtype == torch.float64 else nullcontext():  # norms and softmax too
-            model.base_model(input_ids=x, use_cache=False)
-
-    lm.run(Segment(src, src), [0.0], ids, batch, run)
+    seen: dict[str, list[list[torch.Tensor]]] = {k: [[] for _ in range(L)] for k in KINDS}
+    _hooked(lm, lay, lambda kind, i, x: seen[kind][i].append(x))
+    lm.run(Segment(src, src), [0.0], ids, batch, _runner(dtype))
     del lm  # its tables
-    rows = [torch.cat(x) for x in s_in]  # per layer [N, d], the chunks in order
+    rows = [torch.cat(x) for x in seen["stream"]]  # per layer [N, d], the chunks in order
     step = batch * int(ids.shape[1])  # a batch's rows: stacked batch by batch, each batch layer by layer
     states = torch.cat([r[k:k + step] for k in range(0, int(ids.numel()), step) for r in rows])
-    values = []
-    for i in range(L):
-        s = _spec(src, i)
-        z = torch.cat(o_in[i]).reshape(-1, s.n_heads, s.v_head_dim)  # [N, H, dv]
-        values.append(z.transpose(0, 1).contiguous())  # [H, N, dv]
+    values = [_heads(src, i, torch.cat(seen["values"][i])) for i in range(L)]
     neurons = []
     for i in range(L):  # standardised as they are kept: the matching reads nothing else of them
-        neurons.append(_standardise_(torch.cat(d_in[i])))
-        d_in[i].clear()
+        neurons.append(_standardise_(torch.cat(seen["neurons"][i])))
+        seen["neurons"][i].clear()
     return Activations(states, values, neurons)
 
 
-def stream_rotation(a: Activations, b: Activations, layer_norm: bool) -> torch.Tensor:
-    """``Q`` minimising ``||S_B Q - S_A||`` over the stacked stream states."""
-    return StreamSums.of(a.stream, b.stream).rotation(layer_norm)
+# the hidden states collect_pair's runner may hold: no bound, so that every chunk is in one group
+# (up to `layerwise.MAX_GATES` forwards): three states a chunk and model, against a layer's rows
+# of every layer (stream, heads, neurons) held until the last group when there are several
+ONE_GROUP = 2**62
+
+
+def collect_pair(A: Model, B: Model, ids: torch.Tensor, batch: int = 8, dtype: torch.dtype = torch.float64,
+                 signed: bool = True) -> Pair:
+    """Both models run together on ``ids [n, T]`` (the two ends of one `Segment`, each decoder
+    layer of A then of B: `attnid.whole.layerwise`, in ``dtype`` as :func:`collect`), each
+    layer's activations reduced once both models' are complete (`pair`'s reductions: the
+    stream's sums, the neurons matched, ``signed`` as `neuron_matching`), so that one layer's
+    stream and neurons are held at a time, and every layer's head outputs or their sums. Every
+    chunk runs in one group (`ONE_GROUP`) up to `layerwise.MAX_GATES` forwards; with more, each
+    layer's rows are held until the last group."""
+    sa, sb = _source(A), _source(B)
+    lay = sb.layout
+    L, N = len(lay.layers), int(ids.numel())
+    lm = LayerwiseLM(sa, dtype, eager=True, head=False)
+    seen: dict[str, list[tuple[list[torch.Tensor], list[torch.Tensor]]]] = {
+        k: [([], []) for _ in range(L)] for k in KINDS}
+    count = {k: [[0, 0] for _ in range(L)] for k in KINDS}
+    neurons: list[torch.Tensor | None] = [None] * L
+    sums: list[StreamSums] = []  # one running total (a [d, d] float64 a layer would be 134 MB each at 7B)
+    layered: dict[int, HeadSums | tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def keep(kind: str, i: int, x: torch.Tensor) -> None:
+        k = point()
+        seen[kind][i][k].append(x)
+        count[kind][i][k] += x.shape[0]
+        if min(count[kind][i]) < N:
+            return
+        xa, xb = (torch.cat(p) for p in seen[kind][i])
+        seen[kind][i][0].clear()
+        seen[kind][i][1].clear()
+        if kind == "stream":
+            here = StreamSums.of(xa, xb)
+            sums[:] = [here if not sums else sums[0] + here]
+        elif kind == "values":
+            za, zb = _heads(sa, i, xa), _heads(sb, i, xb)
+            del xa, xb
+            layered[i] = _held_heads(za, zb)
+        else:
+            neurons[i] = _match_neurons(_standardise_(xa), _standardise_(xb), signed)
+
+    _hooked(lm, lay, keep)
+    lm.run(Segment(sa, sb), [0.0, 1.0], ids, batch, _runner(dtype), budget=ONE_GROUP)
+    del lm
+    if min(count["stream"][i][k] for i in range(L) for k in (0, 1)) < N or len(layered) != L \
+            or any(p is None for p in neurons):
+        raise AttnidError("internal: a layer's activations were not complete")
+    return Pair(sums[0], tuple(layered[i] for i in range(L)), tuple(p for p in neurons if p is not None))
 
 
 def _standard(X: torch.Tensor) -> torch.Tensor:
@@ -226,10 +314,17 @@ def stream_permutation(a: Activations, b: Activations) -> torch.Tensor:
     return StreamSums.of(a.stream, b.stream).permutation()
 
 
+def _held_heads(za: torch.Tensor, zb: torch.Tensor) -> HeadSums | tuple[torch.Tensor, torch.Tensor]:
+    """A layer's head outputs ``[H, N, dv]`` of both models, or their `HeadSums` when smaller."""
+    H, n, dv = za.shape
+    return HeadSums.of(za, zb) if HeadSums.smaller(n, H, dv) else (za, zb)
+
+
 def pair(a: Activations, b: Activations, signed: bool) -> Pair:
-    """Both models' activations reduced to what the passes read (`Pair`): the stream's sums and
-    every layer's neurons matched (``signed``: `neuron_matching`'s), each layer's neuron
-    activations let go of once matched (``a`` and ``b`` give them up: their lists are emptied)."""
+    """Both models' activations reduced to what the passes read (`Pair`), as `collect_pair`
+    reduces them: the stream's sums, every layer's neurons matched (``signed``:
+    `neuron_matching`'s), its head outputs or their sums; each layer's neuron activations let go
+    of once matched (``a`` and ``b`` give them up: their lists are emptied)."""
     stream = StreamSums.of(a.stream, b.stream)
     neurons = []
     for i in range(len(a.neurons)):
@@ -237,19 +332,78 @@ def pair(a: Activations, b: Activations, signed: bool) -> Pair:
         a.neurons[i] = b.neurons[i] = a.neurons[i].new_empty(0)
     a.neurons.clear()
     b.neurons.clear()
-    return Pair(stream, tuple(zip(a.values, b.values, strict=True)), tuple(neurons))
+    return Pair(stream, tuple(_held_heads(za, zb) for za, zb in zip(a.values, b.values, strict=True)),
+                tuple(neurons))
 
 
 WRITE_BLOCK = 2**24  # elements of one block of heads' writes [H, n, d] (128 MiB in float64)
 
 
+@dataclass(frozen=True)
+class HeadSums:
+    """What the heads' matching reads of both models' head outputs ``z [H, N, dv]``: the cross
+    product ``Z_A^T Z_B [H dv, H dv]`` of the outputs side by side (``Z [N, H dv]``) and each
+    head's Gram matrix ``z_h^T z_h [H, dv, dv]`` per model, in the outputs' dtype (summed in
+    float64). Kept instead of the outputs when smaller (`smaller`: more tokens than about half
+    the heads' width), since ``<z_h W_h, z_k W_k> = <z_h^T z_k, W_h W_k^T>``."""
+
+    cross: torch.Tensor
+    gram_a: torch.Tensor
+    gram_b: torch.Tensor
+
+    @staticmethod
+    def smaller(tokens: int, heads: int, dv: int) -> bool:
+        """Whether the sums hold fewer numbers than both models' outputs."""
+        return (heads * dv) ** 2 + 2 * heads * dv * dv < 2 * tokens * heads * dv
+
+    @classmethod
+    def of(cls, za: torch.Tensor, zb: torch.Tensor, block: int = 1024) -> HeadSums:
+        """From ``za, zb [H, N, dv]``, ``block`` tokens at a time."""
+        H, N, dv = za.shape
+        f64 = torch.float64
+        cross = torch.zeros(H * dv, H * dv, dtype=f64)
+        ga, gb = torch.zeros(H, dv, dv, dtype=f64), torch.zeros(H, dv, dv, dtype=f64)
+        for k in range(0, N, block):
+            xa, xb = za[:, k:k + block].to(f64), zb[:, k:k + block].to(f64)  # [H, n, dv]
+            cross += xa.transpose(0, 1).reshape(-1, H * dv).T @ xb.transpose(0, 1).reshape(-1, H * dv)
+            ga += xa.mT @ xa
+            gb += xb.mT @ xb
+        return cls(cross.to(za.dtype), ga.to(za.dtype), gb.to(za.dtype))
+
+    def inner(self, WA: torch.Tensor, WB: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(<z_h W_A^h, z_k W_B^k> [H, H], ||z_h W_A^h||^2 [H], ||z_k W_B^k||^2 [H])`` for the
+        output projections per head ``W [H, dv, d]``."""
+        H, dv, _ = WA.shape
+        WBf = WB.reshape(H * dv, -1)
+        inner = torch.empty(H, H, dtype=self.cross.dtype)
+        step = max(1, H // 8)  # a block of A's heads at a time: no [H dv, H dv] product held (67 MB at 7B)
+        for h in range(0, H, step):
+            P = WA[h:h + step].reshape(-1, WA.shape[-1]) @ WBf.T  # [s dv, H dv]: W_A^h W_B^k^T
+            inner[h:h + step] = (self.cross[h * dv:(h + step) * dv] * P).reshape(-1, dv, H, dv).sum((1, 3))
+        na = (self.gram_a * (WA @ WA.mT)).sum((1, 2))
+        nb = (self.gram_b * (WB @ WB.mT)).sum((1, 2))
+        return inner, na, nb
+
+
 def head_matching(acts: Pair, layer: int, n_kv_heads: int, WA: torch.Tensor, WB: torch.Tensor
                   ) -> torch.Tensor:
     """``perm [H]`` of B's heads, matched on the cosine of each head's write into the stream
-    ``z_h W_O^h [N, d]``, from the heads' outputs and each model's output projection per head
-    ``W [H, dv, d]`` (B's in A's stream coordinates: moved by the stream's rotation or
-    permutation), made a block of tokens at a time."""
-    za, zb = acts.values[layer]  # [H, N, dv]
+    ``z_h W_O^h [N, d]``, from the heads' outputs (or their `HeadSums`) and each model's output
+    projection per head ``W [H, dv, d]`` (B's in A's stream coordinates: moved by the stream's
+    rotation or permutation), made a block of tokens at a time."""
+    held = acts.values[layer]
+    if isinstance(held, HeadSums):
+        inner, na, nb = held.inner(WA.to(held.cross.dtype), WB.to(held.cross.dtype))
+    else:
+        inner, na, nb = _writes(*held, WA, WB)
+    cos = inner / (na.sqrt().clamp_min(1e-300)[:, None] * nb.sqrt().clamp_min(1e-300)[None, :])
+    return assign_heads(1 - cos, n_kv_heads)
+
+
+def _writes(za: torch.Tensor, zb: torch.Tensor, WA: torch.Tensor, WB: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`HeadSums.inner` from the outputs ``z [H, N, dv]``: the writes made a block of tokens at
+    a time."""
     WA, WB = WA.to(za.dtype), WB.to(zb.dtype)
     H, N, d = za.shape[0], za.shape[1], WA.shape[-1]
     step = max(1, WRITE_BLOCK // (H * d))
@@ -261,15 +415,18 @@ def head_matching(acts: Pair, layer: int, n_kv_heads: int, WA: torch.Tensor, WB:
         inner += torch.einsum("hnd,knd->hk", xa, xb)
         na += xa.square().sum((1, 2))
         nb += xb.square().sum((1, 2))
-    cos = inner / (na.sqrt().clamp_min(1e-300)[:, None] * nb.sqrt().clamp_min(1e-300)[None, :])
-    return assign_heads(1 - cos, n_kv_heads)
+    return inner, na, nb
 
 
 def neuron_matching(a: Activations, b: Activations, layer: int, signed: bool) -> torch.Tensor:
     """``perm [f]`` of B's neurons (correlation; ``signed=False``: its absolute value), the
     ``[f, f]`` correlations made a block of rows at a time (`blocked_assignment`) from the
     standardised activations as kept (`Activations.neurons`: no copy of them made)."""
-    SA, SB = a.neurons[layer], b.neurons[layer]  # [N, f]
+    return _match_neurons(a.neurons[layer], b.neurons[layer], signed)
+
+
+def _match_neurons(SA: torch.Tensor, SB: torch.Tensor, signed: bool) -> torch.Tensor:
+    """`neuron_matching` on standardised activations ``[N, f]``."""
 
     def cost(X: torch.Tensor, Y: torch.Tensor) -> Callable[[slice], torch.Tensor]:
         return lambda s: (X[:, s].T @ Y).neg_() if signed else (X[:, s].T @ Y).abs_().neg_()

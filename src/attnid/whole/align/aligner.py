@@ -42,7 +42,7 @@ import attnid.whole.fit.canonical as C
 from attnid.adapters.layout import Lin
 from attnid.errors import AttnidError, renamed_keyword
 from attnid.numerics import sq_distance, sums_of_products
-from attnid.whole.align.activations import check_memory, collect, head_matching, keep_dtype, pair
+from attnid.whole.align.activations import check_memory, collect_pair, head_matching, keep_dtype
 from attnid.whole.align.additive import fit_additive
 from attnid.whole.align.gauges import Kind, pair_fit, scalar_fit
 from attnid.whole.align.stream import ROUNDS, Pair, cross, fit_stream, gains_to, permuted, refit
@@ -637,11 +637,8 @@ def activations(A: Any, B: Any, subgroup: str, calibration: torch.Tensor | None,
     each model a `ModelTensors` or a checkpoint's units, run a layer at a time either way."""
     if subgroup == "none" or calibration is None:
         return None
-    check_memory(A, calibration.numel())
-    say = progress or (lambda _: None)
-    dtype = keep_dtype(B)
-    a = collect(A, calibration, dtype=dtype)
-    say(f"A's activations collected on {calibration.numel()} calibration tokens")
-    acts = pair(a, collect(B, calibration, dtype=dtype), signed=B.layout.mlp != "gated")
-    say(f"activations collected on {calibration.numel()} calibration tokens; neurons matched")
+    check_memory(A, calibration)
+    acts = collect_pair(A, B, calibration, dtype=keep_dtype(B), signed=B.layout.mlp != "gated")
+    (progress or (lambda _: None))(f"activations collected on {calibration.numel()} calibration tokens, "
+                                   "neurons matched")
     return acts
