@@ -287,3 +287,21 @@ def test_both_models_run_together_reduce_as_each_alone(family, groups, heads, tm
         assert max(errs) <= tol, f"{case}: head {heads} relative errors {errs}"
         assert all(x.dtype == dtype for v, _ in pairs for x in v), f"{case}: not kept in {dtype}"
         assert [p.tolist() for p in got.neurons] == [p.tolist() for p in want.neurons], f"{case}: neurons"
+
+
+@pytest.mark.parametrize("level", [0.1, 1000.3])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_constant_stream_coordinate_correlates_with_nothing(level, dtype):
+    """A constant coordinate of the stream (variance 0, its sums' cancellation left: about
+    1e-13, or 2e-4 at a level near 1,000) correlates with nothing, as a centred column of zeros
+    does, instead of dividing that rounding by a clamped zero; the other coordinates are matched
+    as B was made (two pairs swapped)."""
+    from attnid.whole.align import activations as act
+
+    g = torch.Generator().manual_seed(5)
+    SA = torch.randn(4864, 6, generator=g, dtype=torch.float64)
+    SA[:, 2] = level
+    swap = torch.tensor([1, 0, 2, 3, 5, 4])
+    SA, SB = SA.to(dtype), SA[:, swap].to(dtype)
+    got = act.StreamSums.of(SA, SB).permutation()
+    assert got.tolist() == swap.tolist(), f"level {level}, {dtype}: {got.tolist()}"

@@ -247,7 +247,7 @@ def test_a_calibration_too_large_for_memory_is_refused(monkeypatch):
 
     A, B = (tiny_model(FAMILIES["llama-gqa"], seed=s) for s in (0, 1))
     ids = torch.randint(0, A.config.vocab_size, (4, 6), generator=gen(2))
-    need = activations.held_bytes(T.ModelTensors.of(A), ids)
+    need = activations.kept_bytes(T.ModelTensors.of(B), ids)
     monkeypatch.setattr(activations, "ACTIVATION_BYTES", need - 1)
     with pytest.raises(AttnidError, match="give a file of at most about"):
         align(A, B, subgroup="full", calibration=ids)

@@ -19,21 +19,23 @@ is matched is what each part of the group moves:
 
 The continuous gauges are then fitted on the weights as without calibration.
 
-Both models run, and what is kept is held, in the arithmetic of the checkpoints' own gauge fits
+Both models run, and their activations are kept, in the arithmetic of the checkpoints' own gauge fits
 (`keep_dtype`: float32 for bfloat16 and float16 checkpoints, float64 under `Float64Mode`
-otherwise). It is reduced as soon as both models are collected (`pair`): the stream to its
-``[d, d]`` cross product and column sums (all its two fits read), the neurons to their matching
-(a neuron's activation does not move with the stream, so every pass would match them the
-same). Only the heads' outputs are kept through the passes: their writes move with the stream
-(on 4,864 tokens of a 2-layer 7B-shaped pair, 0.32 GB, against 2.78 GiB of float64 activations
-of every kind before).
+otherwise). They run together, a layer of each at a time (`collect_pair`), and each layer is
+reduced as soon as both models' rows of it are in: the stream to its ``[d, d]`` cross product
+and column sums (all its two fits read: `StreamSums`), the neurons to their matching (no pass
+changes a neuron's activation, so every pass would match them the same), the heads' outputs to
+their cross product and Gram matrices when those are smaller (`HeadSums`). Only the heads'
+outputs, or their sums, are kept through the passes: their writes move with the stream.
+`collect` and `pair` are the same for one model at a time (the reference the tests hold
+`collect_pair` to). docs/theory.md §13.20 derives the reductions.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -57,6 +59,9 @@ class Activations:
     stream: torch.Tensor  # [N (L), d]: every layer's input, stacked
     values: list[torch.Tensor]  # per layer [H, N, dv]: each head's output (the output projection's input)
     neurons: list[torch.Tensor]  # per layer [N, f], each neuron's column standardised (mean 0, norm 1)
+
+
+VARIANCE_FLOOR = 1e-12  # float64 sums of n products cancel in q - s^2 / n to about sqrt(n) eps q
 
 
 @dataclass(frozen=True)
@@ -87,15 +92,17 @@ class StreamSums:
             sqs += torch.stack([xa.square().sum(0), xb.square().sum(0)])
         return cls(cross, sums[0], sums[1], sqs[0], sqs[1], int(SA.shape[0]), torch.equal(SA, SB))
 
-    def __add__(self, other: StreamSums) -> StreamSums:
-        """The sums over both sets of rows (another layer's states, stacked under these)."""
-        return StreamSums(self.cross + other.cross, self.sum_a + other.sum_a, self.sum_b + other.sum_b,
-                          self.sq_a + other.sq_a, self.sq_b + other.sq_b, self.n + other.n,
-                          self.equal and other.equal)
+    def add_(self, other: StreamSums) -> StreamSums:
+        """The sums over both sets of rows (another layer's states, stacked under these), summed
+        into these tensors (no second ``[d, d]`` float64 made: 134 MB at 7B widths)."""
+        for mine, theirs in ((self.cross, other.cross), (self.sum_a, other.sum_a), (self.sum_b, other.sum_b),
+                             (self.sq_a, other.sq_a), (self.sq_b, other.sq_b)):
+            mine += theirs
+        return replace(self, n=self.n + other.n, equal=self.equal and other.equal)
 
     def rotation(self, layer_norm: bool) -> torch.Tensor:
         """``Q`` minimising ``||S_B Q - S_A||`` (rows centred under LayerNorm, which ignores
-        all-ones: ``(S P)^T (S P) = P S^T S P`` for the centring projection ``P``)."""
+        all-ones: ``(S_B P)^T (S_A P) = P S_B^T S_A P`` for the centring projection ``P``)."""
         d = self.cross.shape[0]
         if self.equal:
             return torch.eye(d, dtype=torch.float64)
@@ -107,12 +114,18 @@ class StreamSums:
 
     def permutation(self) -> torch.Tensor:
         """``perm [d]``: A's stream coordinate ``i`` is B's ``perm[i]``, by linear assignment on
-        the correlations of the columns (``(S_A^T S_B - n mu_A mu_B^T) / (sigma_A sigma_B^T)``)."""
+        the correlations of the columns (``(S_A^T S_B - n mu_A mu_B^T) / (sigma_A sigma_B^T)``).
+        A column whose variance is within the sums' cancellation of 0 (``VARIANCE_FLOOR`` of its
+        mean square: a constant one) correlates with nothing, as a centred column of zeros."""
         n = max(self.n, 1)
         cov = self.cross.T - torch.outer(self.sum_a, self.sum_b) / n  # [d_A, d_B]
-        sa = (self.sq_a - self.sum_a**2 / n).clamp_min(0).sqrt().clamp_min(1e-300)
-        sb = (self.sq_b - self.sum_b**2 / n).clamp_min(0).sqrt().clamp_min(1e-300)
-        return assignment(-(cov / sa[:, None] / sb[None, :]))
+
+        def sigma(s: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+            var = q - s**2 / n
+            return torch.where(var > VARIANCE_FLOOR * q, var.clamp_min(0).sqrt(), torch.inf)
+
+        corr = cov / sigma(self.sum_a, self.sq_a)[:, None] / sigma(self.sum_b, self.sq_b)[None, :]
+        return assignment(-corr.clamp(-1.0, 1.0))
 
 
 @dataclass(eq=False)
@@ -157,32 +170,28 @@ def _widths(m: Model) -> list[tuple[int, int, int, int]]:
     return out
 
 
-def activation_bytes(m: Model, tokens: int) -> int:
-    """What :func:`collect` keeps for one model on ``tokens`` positions (in `keep_dtype`): the
-    stream at every layer's input ``[N, d]``, every head's output ``[H, N, dv]`` and every
-    neuron ``[N, f]``."""
-    return keep_dtype(m).itemsize * tokens * sum(d + H * dv + f for d, H, dv, f in _widths(m))
-
-
-def held_bytes(m: Model, ids: torch.Tensor, batch: int = 8) -> int:
-    """What :func:`collect_pair` holds at most for both models on the chunks ``ids [n, T]``:
-    every layer's head outputs or their `HeadSums` (the smaller), and one layer's stream and
-    neurons when the chunks are one group of `attnid.whole.layerwise` (every layer's until the
-    last group otherwise)."""
+def kept_bytes(m: Model, ids: torch.Tensor, batch: int = 8) -> int:
+    """What :func:`collect_pair` keeps at most for both models on the chunks ``ids [n, T]``, in
+    `keep_dtype`: the runner's hidden states, and when the chunks are one group of
+    `attnid.whole.layerwise`, every layer's head outputs or their `HeadSums` (the smaller) and
+    one layer's rows (stream, head outputs, neurons) before they are reduced; every layer's
+    rows until the last group otherwise."""
     widths = _widths(m)
     n, T = int(ids.shape[0]), int(ids.shape[1])
     N, dtype = n * T, keep_dtype(m)
     group = group_size(T, widths[0][0], dtype, 2, batch, ONE_GROUP)
-    rest = [2 * N * (d + f) for d, _, _, f in widths]
-    heads = sum(min(2 * N * H * dv, (H * dv) ** 2 + 2 * H * dv * dv) for _, H, dv, _ in widths)
+    rows = [2 * N * (d + H * dv + f) for d, H, dv, f in widths]
     hidden = 2 * 3 * min(n, group) * T * widths[0][0]  # the runner's states: 3 a chunk and model
-    return dtype.itemsize * (heads + hidden + (max(rest, default=0) if n <= group else sum(rest)))
+    if n > group:
+        return dtype.itemsize * (hidden + sum(rows))
+    heads = sum(min(2 * N * H * dv, (H * dv) ** 2 + 2 * H * dv * dv) for _, H, dv, _ in widths)
+    return dtype.itemsize * (hidden + heads + max(rows, default=0))
 
 
 def check_memory(m: Model, ids: torch.Tensor) -> None:
     """Refuse (one line, before any work) a calibration whose activations would not fit."""
     tokens = int(ids.numel())
-    need = held_bytes(m, ids)
+    need = kept_bytes(m, ids)
     if need > ACTIVATION_BYTES:
         fit = max(1, tokens * ACTIVATION_BYTES // need)
         raise AttnidError(f"--calibration: matching on {tokens} tokens keeps {need / 1024**3:.1f} GiB of "
@@ -267,13 +276,15 @@ def collect_pair(A: Model, B: Model, ids: torch.Tensor, batch: int = 8, dtype: t
         k: [([], []) for _ in range(L)] for k in KINDS}
     count = {k: [[0, 0] for _ in range(L)] for k in KINDS}
     neurons: list[torch.Tensor | None] = [None] * L
-    sums: list[StreamSums] = []  # one running total (a [d, d] float64 a layer would be 134 MB each at 7B)
+    sums: list[StreamSums] = []  # one running total (a [d, d] float64 a layer: 134 MB each at 7B)
     layered: dict[int, HeadSums | tuple[torch.Tensor, torch.Tensor]] = {}
 
     def keep(kind: str, i: int, x: torch.Tensor) -> None:
         k = point()
         seen[kind][i][k].append(x)
         count[kind][i][k] += x.shape[0]
+        if count[kind][i][k] > N:
+            raise AttnidError(f"internal: layer {i}'s {kind} was seen for more than the {N} tokens")
         if min(count[kind][i]) < N:
             return
         xa, xb = (torch.cat(p) for p in seen[kind][i])
@@ -281,19 +292,18 @@ def collect_pair(A: Model, B: Model, ids: torch.Tensor, batch: int = 8, dtype: t
         seen[kind][i][1].clear()
         if kind == "stream":
             here = StreamSums.of(xa, xb)
-            sums[:] = [here if not sums else sums[0] + here]
+            sums[:] = [here if not sums else sums[0].add_(here)]
         elif kind == "values":
             za, zb = _heads(sa, i, xa), _heads(sb, i, xb)
             del xa, xb
-            layered[i] = _held_heads(za, zb)
+            layered[i] = _kept_heads(za, zb)
         else:
             neurons[i] = _match_neurons(_standardise_(xa), _standardise_(xb), signed)
 
     _hooked(lm, lay, keep)
     lm.run(Segment(sa, sb), [0.0, 1.0], ids, batch, _runner(dtype), budget=ONE_GROUP)
     del lm
-    if min(count["stream"][i][k] for i in range(L) for k in (0, 1)) < N or len(layered) != L \
-            or any(p is None for p in neurons):
+    if any(c != [N, N] for rows in count.values() for c in rows):
         raise AttnidError("internal: a layer's activations were not complete")
     return Pair(sums[0], tuple(layered[i] for i in range(L)), tuple(p for p in neurons if p is not None))
 
@@ -309,12 +319,7 @@ def _standardise_(X: torch.Tensor) -> torch.Tensor:
     return X.div_(X.norm(dim=0, keepdim=True).clamp_min_(1e-300))
 
 
-def stream_permutation(a: Activations, b: Activations) -> torch.Tensor:
-    """``perm [d]``: A's stream coordinate ``i`` is B's ``perm[i]`` (correlation of states)."""
-    return StreamSums.of(a.stream, b.stream).permutation()
-
-
-def _held_heads(za: torch.Tensor, zb: torch.Tensor) -> HeadSums | tuple[torch.Tensor, torch.Tensor]:
+def _kept_heads(za: torch.Tensor, zb: torch.Tensor) -> HeadSums | tuple[torch.Tensor, torch.Tensor]:
     """A layer's head outputs ``[H, N, dv]`` of both models, or their `HeadSums` when smaller."""
     H, n, dv = za.shape
     return HeadSums.of(za, zb) if HeadSums.smaller(n, H, dv) else (za, zb)
@@ -332,7 +337,7 @@ def pair(a: Activations, b: Activations, signed: bool) -> Pair:
         a.neurons[i] = b.neurons[i] = a.neurons[i].new_empty(0)
     a.neurons.clear()
     b.neurons.clear()
-    return Pair(stream, tuple(_held_heads(za, zb) for za, zb in zip(a.values, b.values, strict=True)),
+    return Pair(stream, tuple(_kept_heads(za, zb) for za, zb in zip(a.values, b.values, strict=True)),
                 tuple(neurons))
 
 

@@ -245,7 +245,7 @@ def fit_permutations(a: ModelTensors, b: ModelTensors, i: int, acts: Pair | None
         neurons, b = _neurons(a, head_permutation(b, i, heads), i, tol)  # (heads leave the MLP as it is)
         return b, heads, neurons
     heads = head_matching(acts, i, b.spec(i).n_kv_heads, a.attention(i).W_O, b.attention(i).W_O)
-    neurons = acts.neurons[i]  # matched once, as the activations were collected (`activations.pair`)
+    neurons = acts.neurons[i]  # matched once, as the activations were collected (`collect_pair`)
     return neuron_permutation(head_permutation(b, i, heads), i, neurons), heads, neurons
 
 
@@ -637,7 +637,7 @@ def activations(A: Any, B: Any, subgroup: str, calibration: torch.Tensor | None,
     each model a `ModelTensors` or a checkpoint's units, run a layer at a time either way."""
     if subgroup == "none" or calibration is None:
         return None
-    check_memory(A, calibration)
+    check_memory(B, calibration)  # in B's compute dtype, as it is collected
     acts = collect_pair(A, B, calibration, dtype=keep_dtype(B), signed=B.layout.mlp != "gated")
     (progress or (lambda _: None))(f"activations collected on {calibration.numel()} calibration tokens, "
                                    "neurons matched")

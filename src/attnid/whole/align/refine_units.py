@@ -173,6 +173,15 @@ def _first(out: Any) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out[0]
 
 
+def _joined(outs: list[Any]) -> Any:
+    """A layer's outputs on parts of the batch (whole sequences, in order) as its output on the
+    batch: every tensor (the hidden states, attention weights if any) joined along the batch."""
+    if isinstance(outs[0], torch.Tensor):
+        return torch.cat(outs)
+    parts = zip(*outs, strict=True)
+    return tuple(torch.cat(xs) if isinstance(xs[0], torch.Tensor) else xs[0] for xs in parts)
+
+
 def _like(out: Any, x: torch.Tensor) -> Any:
     """``out`` (a layer's output: a tensor or a tuple starting with one) with ``x`` for its
     hidden states."""
@@ -348,7 +357,7 @@ class UnitPathLoss:
             w = self._layer(i, g, t)  # made once, run on each part (a 7B layer's MLP on 4,096 tokens
             outs = [torch.func.functional_call(lm.layers[i], w, *_rows((a, kw), p, b))  # is 0.7 GB)
                     for p in parts]
-            out = outs[0] if len(outs) == 1 else _like(outs[0], torch.cat([_first(o) for o in outs]))
+            out = outs[0] if len(outs) == 1 else _joined(outs)
             del w, outs
             ran[0] += 1
             if grad:  # what each layer's part starts from
