@@ -99,7 +99,8 @@ def test_head_matching_from_outputs_is_the_cosine_of_the_writes(held, block, fra
     WB = move(WA[shuffle])  # B's projections in B's own stream frame
     none = act.StreamSums.of(torch.zeros(1, d), torch.zeros(1, d))
     step = 1 if block != "one block" else 1024
-    kept = (zA, zB) if held == "outputs" else act.HeadSums.of(zA, zB, block=step)
+    side = lambda z: z.transpose(0, 1).reshape(N, -1)  # noqa: E731  the outputs side by side [N, H dv]
+    kept = (zA, zB) if held == "outputs" else act.HeadSums.of(side(zA), side(zB), H, block=step)
     got = act.head_matching(act.Pair(none, (kept,), ()), 0, G, WA, back(WB))
     xa, xb = torch.einsum("hnv,hvd->hnd", zA, WA), back(torch.einsum("hnv,hvd->hnd", zB, WB))
     if held == "sums":

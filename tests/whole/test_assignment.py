@@ -110,8 +110,8 @@ def test_neuron_matching_on_activations_in_blocks(signed, monkeypatch):
     if not signed:
         scale = scale * torch.where(torch.rand(f, generator=g) < 0.5, -1.0, 1.0).double()
     XB = XA[:, perm] * scale + 1.5 * torch.randn(N, f, generator=g, dtype=torch.float64)
-    a, b = (act.Activations(torch.zeros(1, 1), [], [act._standard(x)]) for x in (XA, XB))
-    corr = act._standard(XA).T @ act._standard(XB)
+    a, b = (act.Activations(torch.zeros(1, 1), [], [act._standardise_(x.clone())]) for x in (XA, XB))
+    corr = act._standardise_(XA.clone()).T @ act._standardise_(XB.clone())
     cost = -(corr if signed else corr.abs())
     assert not is_permutation(cost.argmin(1)), "nearest neighbours should clash here"
     want = match.dense_assignment(cost)

@@ -102,15 +102,11 @@ class StreamSums:
 
     def rotation(self, layer_norm: bool) -> torch.Tensor:
         """``Q`` minimising ``||S_B Q - S_A||`` (rows centred under LayerNorm, which ignores
-        all-ones: ``(S_B P)^T (S_A P) = P S_B^T S_A P`` for the centring projection ``P``)."""
-        d = self.cross.shape[0]
+        all-ones: ``(S_B P)^T (S_A P) = P S_B^T S_A P`` for the centring projection ``P``, which
+        `procrustes_cross` applies itself: it fits on ``U^T M U`` with ``U^T P = U^T``)."""
         if self.equal:
-            return torch.eye(d, dtype=torch.float64)
-        M = self.cross
-        if layer_norm:
-            M = M - M.mean(0, keepdim=True)
-            M = M - M.mean(1, keepdim=True)
-        return procrustes_cross(M, layer_norm)
+            return torch.eye(self.cross.shape[0], dtype=torch.float64)
+        return procrustes_cross(self.cross, layer_norm)
 
     def permutation(self) -> torch.Tensor:
         """``perm [d]``: A's stream coordinate ``i`` is B's ``perm[i]``, by linear assignment on
@@ -224,10 +220,9 @@ def _runner(dtype: torch.dtype) -> Callable[[Any, torch.Tensor], None]:
     return run
 
 
-def _heads(src: Any, i: int, z: torch.Tensor) -> torch.Tensor:
-    """Layer ``i``'s head outputs ``[N, H dv]`` as ``[H, N, dv]``."""
-    s = _spec(src, i)
-    return z.reshape(-1, s.n_heads, s.v_head_dim).transpose(0, 1).contiguous()
+def _split_heads(z: torch.Tensor, heads: int) -> torch.Tensor:
+    """A layer's head outputs ``[N, H dv]`` as ``[H, N, dv]``."""
+    return z.reshape(z.shape[0], heads, -1).transpose(0, 1).contiguous()
 
 
 def collect(m: Model, ids: torch.Tensor, batch: int = 8, dtype: torch.dtype = torch.float64) -> Activations:
@@ -245,7 +240,7 @@ def collect(m: Model, ids: torch.Tensor, batch: int = 8, dtype: torch.dtype = to
     rows = [torch.cat(x) for x in seen["stream"]]  # per layer [N, d], the chunks in order
     step = batch * int(ids.shape[1])  # a batch's rows: stacked batch by batch, each batch layer by layer
     states = torch.cat([r[k:k + step] for k in range(0, int(ids.numel()), step) for r in rows])
-    values = [_heads(src, i, torch.cat(seen["values"][i])) for i in range(L)]
+    values = [_split_heads(torch.cat(seen["values"][i]), _spec(src, i).n_heads) for i in range(L)]
     neurons = []
     for i in range(L):  # standardised as they are kept: the matching reads nothing else of them
         neurons.append(_standardise_(torch.cat(seen["neurons"][i])))
@@ -294,9 +289,7 @@ def collect_pair(A: Model, B: Model, ids: torch.Tensor, batch: int = 8, dtype: t
             here = StreamSums.of(xa, xb)
             sums[:] = [here if not sums else sums[0].add_(here)]
         elif kind == "values":
-            za, zb = _heads(sa, i, xa), _heads(sb, i, xb)
-            del xa, xb
-            layered[i] = _kept_heads(za, zb)
+            layered[i] = _kept_heads(xa, xb, _spec(sa, i).n_heads)
         else:
             neurons[i] = _match_neurons(_standardise_(xa), _standardise_(xb), signed)
 
@@ -308,21 +301,21 @@ def collect_pair(A: Model, B: Model, ids: torch.Tensor, batch: int = 8, dtype: t
     return Pair(sums[0], tuple(layered[i] for i in range(L)), tuple(p for p in neurons if p is not None))
 
 
-def _standard(X: torch.Tensor) -> torch.Tensor:
-    """``X [N, n]`` with each column centred and at unit norm (a copy)."""
-    return _standardise_(X.clone())
-
-
 def _standardise_(X: torch.Tensor) -> torch.Tensor:
-    """`_standard` in place (no second ``[N, f]``: 0.43 GB a 7B layer on 4,864 tokens)."""
+    """``X [N, n]`` with each column centred and at unit norm, in place (no second ``[N, f]``:
+    0.43 GB a 7B layer on 4,864 tokens)."""
     X -= X.mean(0, keepdim=True)
     return X.div_(X.norm(dim=0, keepdim=True).clamp_min_(1e-300))
 
 
-def _kept_heads(za: torch.Tensor, zb: torch.Tensor) -> HeadSums | tuple[torch.Tensor, torch.Tensor]:
-    """A layer's head outputs ``[H, N, dv]`` of both models, or their `HeadSums` when smaller."""
-    H, n, dv = za.shape
-    return HeadSums.of(za, zb) if HeadSums.smaller(n, H, dv) else (za, zb)
+def _kept_heads(ZA: torch.Tensor, ZB: torch.Tensor, heads: int
+                ) -> HeadSums | tuple[torch.Tensor, torch.Tensor]:
+    """A layer's head outputs of both models, side by side ``Z [N, H dv]``: their `HeadSums`
+    when smaller, else each as ``[H, N, dv]``."""
+    N, width = ZA.shape
+    if HeadSums.smaller(N, heads, width // heads):
+        return HeadSums.of(ZA, ZB, heads)
+    return _split_heads(ZA, heads), _split_heads(ZB, heads)
 
 
 def pair(a: Activations, b: Activations, signed: bool) -> Pair:
@@ -337,8 +330,16 @@ def pair(a: Activations, b: Activations, signed: bool) -> Pair:
         a.neurons[i] = b.neurons[i] = a.neurons[i].new_empty(0)
     a.neurons.clear()
     b.neurons.clear()
-    return Pair(stream, tuple(_kept_heads(za, zb) for za, zb in zip(a.values, b.values, strict=True)),
+    return Pair(stream, tuple(_kept_split(za, zb) for za, zb in zip(a.values, b.values, strict=True)),
                 tuple(neurons))
+
+
+def _kept_split(za: torch.Tensor, zb: torch.Tensor) -> HeadSums | tuple[torch.Tensor, torch.Tensor]:
+    """`_kept_heads` of outputs already split ``[H, N, dv]`` (kept as they are when not summed)."""
+    H, N, dv = za.shape
+    if not HeadSums.smaller(N, H, dv):
+        return za, zb
+    return HeadSums.of(*(z.transpose(0, 1).reshape(N, -1) for z in (za, zb)), H)
 
 
 WRITE_BLOCK = 2**24  # elements of one block of heads' writes [H, n, d] (128 MiB in float64)
@@ -362,18 +363,21 @@ class HeadSums:
         return (heads * dv) ** 2 + 2 * heads * dv * dv < 2 * tokens * heads * dv
 
     @classmethod
-    def of(cls, za: torch.Tensor, zb: torch.Tensor, block: int = 1024) -> HeadSums:
-        """From ``za, zb [H, N, dv]``, ``block`` tokens at a time."""
-        H, N, dv = za.shape
+    def of(cls, ZA: torch.Tensor, ZB: torch.Tensor, heads: int, block: int = 1024) -> HeadSums:
+        """From both models' outputs side by side ``Z [N, H dv]`` (as the output projection reads
+        them), ``block`` tokens at a time."""
+        N, width = ZA.shape
+        dv = width // heads
         f64 = torch.float64
-        cross = torch.zeros(H * dv, H * dv, dtype=f64)
-        ga, gb = torch.zeros(H, dv, dv, dtype=f64), torch.zeros(H, dv, dv, dtype=f64)
+        cross = torch.zeros(width, width, dtype=f64)
+        ga, gb = torch.zeros(heads, dv, dv, dtype=f64), torch.zeros(heads, dv, dv, dtype=f64)
         for k in range(0, N, block):
-            xa, xb = za[:, k:k + block].to(f64), zb[:, k:k + block].to(f64)  # [H, n, dv]
-            cross += xa.transpose(0, 1).reshape(-1, H * dv).T @ xb.transpose(0, 1).reshape(-1, H * dv)
-            ga += xa.mT @ xa
-            gb += xb.mT @ xb
-        return cls(cross.to(za.dtype), ga.to(za.dtype), gb.to(za.dtype))
+            xa, xb = ZA[k:k + block].to(f64), ZB[k:k + block].to(f64)  # [n, H dv]
+            cross += xa.T @ xb
+            ha, hb = (x.reshape(-1, heads, dv) for x in (xa, xb))  # [n, H, dv]
+            ga += torch.einsum("nhv,nhw->hvw", ha, ha)
+            gb += torch.einsum("nhv,nhw->hvw", hb, hb)
+        return cls(cross.to(ZA.dtype), ga.to(ZA.dtype), gb.to(ZA.dtype))
 
     def inner(self, WA: torch.Tensor, WB: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(<z_h W_A^h, z_k W_B^k> [H, H], ||z_h W_A^h||^2 [H], ||z_k W_B^k||^2 [H])`` for the
