@@ -360,3 +360,34 @@ def test_a_certificate_told_no_rotation_moved_the_stream_still_fits_one(pairs):
     f = fit(ub, open_units(open_checkpoint(pairs["llama"]["a"])), rotate=False)
     unrotated = max(x.residual for r in f.units for x in r.residuals)
     assert unrotated > 1e3 * tol, f"the unrotated comparison passed ({unrotated:.1e})"
+
+
+def test_head_sums_that_cannot_be_written_refuse_in_one_line(pairs, tmp_path, capsys, monkeypatch):
+    """`--calibration` keeps each layer's head sums in a temporary file (`Spilled`); a disk that
+    cannot take them (here every `torch.save` fails as a full disk does) gives one `error:`
+    line naming the folder and TMPDIR, exit 2, no OUT_DIR, nothing left in the temporary
+    folder, and the inputs as they were."""
+    import errno
+    import os
+    import tempfile
+
+    p = pairs["llama"]
+    before = {k: fingerprint(p[k]) for k in ("a", "b")}
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # TMPDIR read again
+    tries = []
+
+    def full(obj, path, *args, **kwargs):
+        tries.append(path)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(torch, "save", full)
+    out = tmp_path / "out"
+    code, _, err = run(capsys, "align", p["a"], p["b"], out, "--calibration", pairs["text"])
+    assert tries, "no head sums were spilled (the test's calibration is too short for HeadSums)"
+    assert_one_error(code, err, str(scratch), ["head sums", "No space left on device", "TMPDIR"])
+    assert not out.exists(), "OUT_DIR was made"
+    assert list(scratch.iterdir()) == [], f"left in the temporary folder: {list(scratch.iterdir())}"
+    assert {k: fingerprint(p[k]) for k in ("a", "b")} == before, "an input was modified"

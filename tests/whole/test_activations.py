@@ -5,6 +5,8 @@ a model in memory and from its checkpoint."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -237,14 +239,14 @@ def test_activations_are_kept_in_the_checkpoints_compute_dtype(tmp_path, monkeyp
 
 @pytest.mark.parametrize("family", ["llama-gqa", "gpt2-untied", "bert"])
 @pytest.mark.parametrize("groups", ["one group", "a chunk a group"])
-@pytest.mark.parametrize("heads", ["outputs", "sums"])
+@pytest.mark.parametrize("heads", ["outputs", "sums", "sums in files"])
 def test_both_models_run_together_reduce_as_each_alone(family, groups, heads, tmp_path, monkeypatch):
     """`collect_pair` (A and B run as the two ends of one segment, each layer reduced once both
     models' rows of it are in) gives what each model collected alone and then reduced (`pair`)
-    gives: the same stream sums and head outputs (or their `HeadSums`) to the rounding of the
-    kept dtype (the groupings run batches of different sizes) and the same neuron matchings;
-    from memory and from bfloat16 checkpoints (float32 kept), in one group of chunks and in
-    groups of one batch."""
+    gives: the same stream sums and head outputs (or their `HeadSums`, in memory or spilled to
+    files that go with the pair) to the rounding of the kept dtype (the groupings run batches
+    of different sizes) and the same neuron matchings; from memory and from bfloat16
+    checkpoints (float32 kept), in one group of chunks and in groups of one batch."""
     from attnid.adapters.base import build_hf_model
     from attnid.checkpoint.load import open_checkpoint
     from attnid.checkpoint.units import open_units
@@ -254,7 +256,7 @@ def test_both_models_run_together_reduce_as_each_alone(family, groups, heads, tm
     if groups != "one group":  # groups of one batch (`collect_pair` sets no budget on the states)
         monkeypatch.setattr(layerwise, "HIDDEN_BUDGET", 1)
         monkeypatch.setattr(layerwise, "MAX_GATES", 2)  # a forward a point: a batch a group
-    monkeypatch.setattr(act.HeadSums, "smaller", staticmethod(lambda *_: heads == "sums"))
+    monkeypatch.setattr(act.HeadSums, "smaller", staticmethod(lambda *_: heads != "outputs"))
     cfg = FAMILIES[family]
     models = [tiny_model(cfg, seed=s) for s in (0, 1)]
     for k, m in enumerate(models):
@@ -271,23 +273,30 @@ def test_both_models_run_together_reduce_as_each_alone(family, groups, heads, tm
         dtype = act.keep_dtype(B)
         want = act.pair(act.collect(A, ids, batch=2, dtype=dtype), act.collect(B, ids, batch=2, dtype=dtype),
                         signed)
-        got = act.collect_pair(A, B, ids, batch=2, dtype=dtype, signed=signed)
+        got = act.collect_pair(A, B, ids, batch=2, dtype=dtype, signed=signed, spill=heads == "sums in files")
         case = f"{family} from {where}, {groups}"
+        files = [v.path for v in got.values if isinstance(v, act.Spilled)]
+        assert len(files) == (len(got.values) if heads == "sums in files" else 0), f"{case}: {got.values}"
+        held = [v.load() if isinstance(v, act.Spilled) else v for v in got.values]
         tol = 1e-12 if dtype == torch.float64 else 1e-6
         for name in ("cross", "sum_a", "sum_b", "sq_a", "sq_b"):
             x, y = getattr(got.stream, name), getattr(want.stream, name)
             err = float((x - y).norm() / y.norm())
             assert err <= tol, f"{case}: stream {name} relative error {err:.1e}"
         assert got.stream.n == want.stream.n and got.stream.equal == want.stream.equal == False, case  # noqa: E712
-        if heads == "sums":
+        if heads != "outputs":
             pairs = [((g.cross, g.gram_a, g.gram_b), (w.cross, w.gram_a, w.gram_b))
-                     for g, w in zip(got.values, want.values, strict=True)]
+                     for g, w in zip(held, want.values, strict=True)]
         else:
-            pairs = list(zip(got.values, want.values, strict=True))
+            pairs = list(zip(held, want.values, strict=True))
         errs = [rel(x.double(), y.double()) for gv, wv in pairs for x, y in zip(gv, wv, strict=True)]
         assert max(errs) <= tol, f"{case}: head {heads} relative errors {errs}"
         assert all(x.dtype == dtype for v, _ in pairs for x in v), f"{case}: not kept in {dtype}"
         assert [p.tolist() for p in got.neurons] == [p.tolist() for p in want.neurons], f"{case}: neurons"
+        assert all(f.exists() for f in files), f"{case}: a spilled file is gone while the pair is held"
+        del got, held, pairs
+        gc.collect()
+        assert not any(f.exists() or f.parent.exists() for f in files), f"{case}: spilled files left behind"
 
 
 @pytest.mark.parametrize("level", [0.1, 1000.3])

@@ -255,6 +255,21 @@ def test_a_calibration_too_large_for_memory_is_refused(monkeypatch):
     assert align(A, B, subgroup="full", calibration=ids).aligned_distance >= 0
 
 
+def test_spilled_head_sums_are_counted_one_layer_at_a_time():
+    """`kept_bytes` with the head sums spilled to files (`collect_pair`'s ``spill``, as a
+    checkpoint's alignment runs) counts one layer's sums instead of every layer's."""
+    from attnid.whole.align import activations
+
+    B = T.ModelTensors.of(tiny_model(FAMILIES["llama-gqa"], seed=1))
+    ids = torch.randint(0, B.config["vocab_size"], (4, 16), generator=gen(2))
+    L, s = len(B.layout.layers), B.spec(0)
+    width = s.n_heads * s.v_head_dim
+    assert L >= 2 and activations.HeadSums.smaller(ids.numel(), s.n_heads, s.v_head_dim), (L, s)
+    sums = width**2 + 2 * s.n_heads * s.v_head_dim**2  # numbers of one layer's HeadSums
+    held, spilled = activations.kept_bytes(B, ids), activations.kept_bytes(B, ids, spill=True)
+    assert held - spilled == (L - 1) * sums * activations.keep_dtype(B).itemsize, (held, spilled, L, sums)
+
+
 class _Counted:
     """An in-memory `Output` that counts the passes over the units."""
 

@@ -26,16 +26,19 @@ reduced as soon as both models' rows of it are in: the stream to its ``[d, d]`` 
 and column sums (all its two fits read: `StreamSums`), the neurons to their matching (no pass
 changes a neuron's activation, so every pass would match them the same), the heads' outputs to
 their cross product and Gram matrices when those are smaller (`HeadSums`). Only the heads'
-outputs, or their sums, are kept through the passes: their writes move with the stream.
+outputs, or their sums, are kept through the passes: their writes move with the stream (a
+checkpoint's sums in temporary files, a layer's read back when it is matched: `Spilled`).
 `collect` and `pair` are the same for one model at a time (the reference the tests hold
 `collect_pair` to). docs/theory.md §13.20 derives the reductions.
 """
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -129,11 +132,13 @@ class Pair:
     """Both models' activations as the alignment reads them (`pair`): the stream's sums (read
     once, by the stream's fit, which then lets them go: ``None``), per layer both models' head
     outputs ``[H, N, dv]`` (A's, B's; a head's write moves with the stream, so it is matched
-    again in each pass), and per layer B's neurons matched to A's."""
+    again in each pass) or their `HeadSums` (in memory, or `Spilled` to a file of ``folder``,
+    which goes with the pair), and per layer B's neurons matched to A's."""
 
     stream: StreamSums | None
-    values: tuple[HeadSums | tuple[torch.Tensor, torch.Tensor], ...]  # per layer, or their sums
+    values: tuple[Held, ...]  # per layer: the outputs, their sums, or their sums in a file
     neurons: tuple[torch.Tensor, ...]  # per layer perm [f]: A's neuron j is B's perm[j]
+    folder: tempfile.TemporaryDirectory | None = field(default=None, repr=False)  # the `Spilled` files
 
 
 ACTIVATION_BYTES = 8 * 1024**3  # both models' activations, as kept, at most this
@@ -166,12 +171,13 @@ def _widths(m: Model) -> list[tuple[int, int, int, int]]:
     return out
 
 
-def kept_bytes(m: Model, ids: torch.Tensor, batch: int = 8) -> int:
+def kept_bytes(m: Model, ids: torch.Tensor, batch: int = 8, spill: bool = False) -> int:
     """What :func:`collect_pair` keeps at most for both models on the chunks ``ids [n, T]``, in
     `keep_dtype`: the runner's hidden states, and when the chunks are one group of
     `attnid.whole.layerwise`, every layer's head outputs or their `HeadSums` (the smaller) and
     one layer's rows (stream, head outputs, neurons) before they are reduced; every layer's
-    rows until the last group otherwise."""
+    rows until the last group otherwise. ``spill`` (`collect_pair`'s): of the `HeadSums`, the
+    largest layer's only."""
     widths = _widths(m)
     n, T = int(ids.shape[0]), int(ids.shape[1])
     N, dtype = n * T, keep_dtype(m)
@@ -180,14 +186,22 @@ def kept_bytes(m: Model, ids: torch.Tensor, batch: int = 8) -> int:
     hidden = 2 * 3 * min(n, group) * T * widths[0][0]  # the runner's states: 3 a chunk and model
     if n > group:
         return dtype.itemsize * (hidden + sum(rows))
-    heads = sum(min(2 * N * H * dv, (H * dv) ** 2 + 2 * H * dv * dv) for _, H, dv, _ in widths)
+    heads = spilled = 0
+    for _, H, dv, _ in widths:
+        if not HeadSums.smaller(N, H, dv):
+            heads += 2 * N * H * dv  # the outputs
+        elif spill:
+            spilled = max(spilled, (H * dv) ** 2 + 2 * H * dv * dv)  # one layer's sums read back
+        else:
+            heads += (H * dv) ** 2 + 2 * H * dv * dv
+    heads += spilled
     return dtype.itemsize * (hidden + heads + max(rows, default=0))
 
 
-def check_memory(m: Model, ids: torch.Tensor) -> None:
+def check_memory(m: Model, ids: torch.Tensor, spill: bool = False) -> None:
     """Refuse (one line, before any work) a calibration whose activations would not fit."""
     tokens = int(ids.numel())
-    need = kept_bytes(m, ids)
+    need = kept_bytes(m, ids, spill=spill)
     if need > ACTIVATION_BYTES:
         fit = max(1, tokens * ACTIVATION_BYTES // need)
         raise AttnidError(f"--calibration: matching on {tokens} tokens keeps {need / 1024**3:.1f} GiB of "
@@ -255,14 +269,16 @@ ONE_GROUP = 2**62
 
 
 def collect_pair(A: Model, B: Model, ids: torch.Tensor, batch: int = 8, dtype: torch.dtype = torch.float64,
-                 signed: bool = True) -> Pair:
+                 signed: bool = True, spill: bool = False) -> Pair:
     """Both models run together on ``ids [n, T]`` (the two ends of one `Segment`, each decoder
     layer of A then of B: `attnid.whole.layerwise`, in ``dtype`` as :func:`collect`), each
     layer's activations reduced once both models' are complete (`pair`'s reductions: the
     stream's sums, the neurons matched, ``signed`` as `neuron_matching`), so that one layer's
     stream and neurons are held at a time, and every layer's head outputs or their sums. Every
     chunk runs in one group (`ONE_GROUP`) up to `layerwise.MAX_GATES` forwards; with more, each
-    layer's rows are held until the last group."""
+    layer's rows are held until the last group. ``spill``: each layer's `HeadSums` written to a
+    temporary file as made and read back when its layer is matched (`Spilled`: one layer's sums
+    in memory at a time instead of every layer's, 71 MB a 7B layer)."""
     sa, sb = _source(A), _source(B)
     lay = sb.layout
     L, N = len(lay.layers), int(ids.numel())
@@ -272,7 +288,8 @@ def collect_pair(A: Model, B: Model, ids: torch.Tensor, batch: int = 8, dtype: t
     count = {k: [[0, 0] for _ in range(L)] for k in KINDS}
     neurons: list[torch.Tensor | None] = [None] * L
     sums: list[StreamSums] = []  # one running total (a [d, d] float64 a layer: 134 MB each at 7B)
-    layered: dict[int, HeadSums | tuple[torch.Tensor, torch.Tensor]] = {}
+    layered: dict[int, Held] = {}
+    folder = tempfile.TemporaryDirectory(prefix="attnid-heads-") if spill else None
 
     def keep(kind: str, i: int, x: torch.Tensor) -> None:
         k = point()
@@ -289,16 +306,25 @@ def collect_pair(A: Model, B: Model, ids: torch.Tensor, batch: int = 8, dtype: t
             here = StreamSums.of(xa, xb)
             sums[:] = [here if not sums else sums[0].add_(here)]
         elif kind == "values":
-            layered[i] = _kept_heads(xa, xb, _spec(sa, i).n_heads)
+            held: Held = _kept_heads(xa, xb, _spec(sa, i).n_heads)
+            if folder is not None and isinstance(held, HeadSums):
+                held = Spilled.of(held, folder, i)
+            layered[i] = held
         else:
             neurons[i] = _match_neurons(_standardise_(xa), _standardise_(xb), signed)
 
     _hooked(lm, lay, keep)
-    lm.run(Segment(sa, sb), [0.0, 1.0], ids, batch, _runner(dtype), budget=ONE_GROUP)
+    try:
+        lm.run(Segment(sa, sb), [0.0, 1.0], ids, batch, _runner(dtype), budget=ONE_GROUP)
+    except BaseException:
+        if folder is not None:  # now, not when the traceback lets the folder go
+            folder.cleanup()
+        raise
     del lm
     if any(c != [N, N] for rows in count.values() for c in rows):
         raise AttnidError("internal: a layer's activations were not complete")
-    return Pair(sums[0], tuple(layered[i] for i in range(L)), tuple(p for p in neurons if p is not None))
+    return Pair(sums[0], tuple(layered[i] for i in range(L)), tuple(p for p in neurons if p is not None),
+                folder)
 
 
 def _standardise_(X: torch.Tensor) -> torch.Tensor:
@@ -394,6 +420,31 @@ class HeadSums:
         return inner, na, nb
 
 
+@dataclass(frozen=True)
+class Spilled:
+    """A layer's `HeadSums` in a file (`collect_pair`'s ``spill``), read back when matched."""
+
+    path: Path
+
+    @classmethod
+    def of(cls, sums: HeadSums, folder: tempfile.TemporaryDirectory, layer: int) -> Spilled:
+        path = Path(folder.name) / f"heads-{layer}.pt"
+        try:
+            torch.save({"cross": sums.cross, "gram_a": sums.gram_a, "gram_b": sums.gram_b}, path)
+        except OSError as e:  # a full disk: one line, and the folder goes with the activations
+            size = sum(t.numel() * t.element_size() for t in (sums.cross, sums.gram_a, sums.gram_b))
+            raise AttnidError(f"--calibration: could not write layer {layer}'s head sums "
+                              f"({size / 1e6:.0f} MB a layer) into {folder.name}: {e.strerror or e}; "
+                              "set TMPDIR to a folder with room") from None
+        return cls(path)
+
+    def load(self) -> HeadSums:
+        return HeadSums(**torch.load(self.path, weights_only=True))
+
+
+Held = HeadSums | Spilled | tuple[torch.Tensor, torch.Tensor]  # a layer's head outputs as kept
+
+
 def head_matching(acts: Pair, layer: int, n_kv_heads: int, WA: torch.Tensor, WB: torch.Tensor
                   ) -> torch.Tensor:
     """``perm [H]`` of B's heads, matched on the cosine of each head's write into the stream
@@ -401,6 +452,7 @@ def head_matching(acts: Pair, layer: int, n_kv_heads: int, WA: torch.Tensor, WB:
     projection per head ``W [H, dv, d]`` (B's in A's stream coordinates: moved by the stream's
     rotation or permutation), made a block of tokens at a time."""
     held = acts.values[layer]
+    held = held.load() if isinstance(held, Spilled) else held
     if isinstance(held, HeadSums):
         inner, na, nb = held.inner(WA.to(held.cross.dtype), WB.to(held.cross.dtype))
     else:

@@ -637,8 +637,9 @@ def activations(A: Any, B: Any, subgroup: str, calibration: torch.Tensor | None,
     each model a `ModelTensors` or a checkpoint's units, run a layer at a time either way."""
     if subgroup == "none" or calibration is None:
         return None
-    check_memory(B, calibration)  # in B's compute dtype, as it is collected
-    acts = collect_pair(A, B, calibration, dtype=keep_dtype(B), signed=B.layout.mlp != "gated")
+    spill = not isinstance(B, ModelTensors)  # a checkpoint's: each layer's head sums kept in a file
+    check_memory(B, calibration, spill)  # in B's compute dtype, as it is collected
+    acts = collect_pair(A, B, calibration, dtype=keep_dtype(B), signed=B.layout.mlp != "gated", spill=spill)
     (progress or (lambda _: None))(f"activations collected on {calibration.numel()} calibration tokens, "
                                    "neurons matched")
     return acts
