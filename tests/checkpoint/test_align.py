@@ -362,11 +362,12 @@ def test_a_certificate_told_no_rotation_moved_the_stream_still_fits_one(pairs):
     assert unrotated > 1e3 * tol, f"the unrotated comparison passed ({unrotated:.1e})"
 
 
-def test_head_sums_that_cannot_be_written_refuse_in_one_line(pairs, tmp_path, capsys, monkeypatch):
-    """`--calibration` keeps each layer's head sums in a temporary file (`Spilled`); a disk that
-    cannot take them (here every `torch.save` fails as a full disk does) gives one `error:`
-    line naming the folder and TMPDIR, exit 2, no OUT_DIR, nothing left in the temporary
-    folder, and the inputs as they were."""
+@pytest.mark.parametrize("failure", ["OSError", "RuntimeError"])
+def test_head_sums_that_cannot_be_written_refuse_in_one_line(failure, pairs, tmp_path, capsys, monkeypatch):
+    """`--calibration` keeps each layer's head sums in a temporary file (`Spilled`); a write
+    that fails as on a full disk (an `OSError`, or the `RuntimeError` torch raises for a failed
+    write: `torch.save` to /dev/full) gives one `error:` line naming the folder and TMPDIR,
+    exit 2, no OUT_DIR, nothing left in the temporary folder, and the inputs as they were."""
     import errno
     import os
     import tempfile
@@ -381,13 +382,42 @@ def test_head_sums_that_cannot_be_written_refuse_in_one_line(pairs, tmp_path, ca
 
     def full(obj, path, *args, **kwargs):
         tries.append(path)
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        if failure == "OSError":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
 
     monkeypatch.setattr(torch, "save", full)
     out = tmp_path / "out"
     code, _, err = run(capsys, "align", p["a"], p["b"], out, "--calibration", pairs["text"])
     assert tries, "no head sums were spilled (the test's calibration is too short for HeadSums)"
-    assert_one_error(code, err, str(scratch), ["head sums", "No space left on device", "TMPDIR"])
+    why = "No space left on device" if failure == "OSError" else "the write failed"
+    line = assert_one_error(code, err, str(scratch), ["head sums", why, "TMPDIR"])
+    assert "enforce" not in line, line
     assert not out.exists(), "OUT_DIR was made"
     assert list(scratch.iterdir()) == [], f"left in the temporary folder: {list(scratch.iterdir())}"
     assert {k: fingerprint(p[k]) for k in ("a", "b")} == before, "an input was modified"
+
+
+def test_head_sums_without_room_are_refused_before_any_work(pairs, tmp_path, capsys, monkeypatch):
+    """The temporary folder's free space is checked against every layer's head sums before any
+    work (`activations.check_disk`): too little is one `error:` line naming the folder, the
+    size and TMPDIR, exit 2, and neither a forward nor a file."""
+    import shutil
+    import tempfile
+
+    from attnid.whole.align import activations as act
+    from attnid.whole.align import aligner
+
+    p = pairs["llama"]
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    real = shutil.disk_usage
+    monkeypatch.setattr(act.shutil, "disk_usage", lambda path: real(path)._replace(free=1000))
+    ran = []
+    monkeypatch.setattr(aligner, "collect_pair", lambda *a, **k: ran.append(1))
+    out = tmp_path / "out"
+    code, _, err = run(capsys, "align", p["a"], p["b"], out, "--calibration", pairs["text"])
+    assert_one_error(code, err, str(scratch), ["heads' sums", "0.0 GB free", "TMPDIR"])
+    assert not ran and not out.exists() and list(scratch.iterdir()) == [], (ran, list(scratch.iterdir()))

@@ -5,8 +5,6 @@ a model in memory and from its checkpoint."""
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 
@@ -294,8 +292,7 @@ def test_both_models_run_together_reduce_as_each_alone(family, groups, heads, tm
         assert all(x.dtype == dtype for v, _ in pairs for x in v), f"{case}: not kept in {dtype}"
         assert [p.tolist() for p in got.neurons] == [p.tolist() for p in want.neurons], f"{case}: neurons"
         assert all(f.exists() for f in files), f"{case}: a spilled file is gone while the pair is held"
-        del got, held, pairs
-        gc.collect()
+        del got, held, pairs  # the last references to the folder: it goes at once
         assert not any(f.exists() or f.parent.exists() for f in files), f"{case}: spilled files left behind"
 
 

@@ -34,6 +34,7 @@ checkpoint's sums in temporary files, a layer's read back when it is matched: `S
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -209,6 +210,25 @@ def check_memory(m: Model, ids: torch.Tensor, spill: bool = False) -> None:
                           f"give a file of at most about {fit} tokens, or match on the weights")
 
 
+def spilled_bytes(m: Model, ids: torch.Tensor) -> int:
+    """The files `collect_pair`'s ``spill`` writes on the chunks ``ids``: every layer's
+    `HeadSums` where they are kept instead of the outputs, in `keep_dtype`."""
+    N = int(ids.numel())
+    return keep_dtype(m).itemsize * sum((H * dv) ** 2 + 2 * H * dv * dv for _, H, dv, _ in _widths(m)
+                                        if HeadSums.smaller(N, H, dv))
+
+
+def check_disk(m: Model, ids: torch.Tensor) -> None:
+    """Refuse (one line, before any work) spilled head sums the temporary folder has no room for."""
+    need = spilled_bytes(m, ids)
+    where = tempfile.gettempdir()
+    free = shutil.disk_usage(where).free
+    if need > free:
+        raise AttnidError(f"--calibration: matching on {int(ids.numel())} tokens keeps {need / 1e9:.1f} GB "
+                          f"of the heads' sums in temporary files, and {where} has {free / 1e9:.1f} GB free: "
+                          "set TMPDIR to a folder with room, or give a shorter file")
+
+
 KINDS = ("stream", "values", "neurons")  # what is kept of a forward (see `_hooked`)
 
 
@@ -289,7 +309,9 @@ def collect_pair(A: Model, B: Model, ids: torch.Tensor, batch: int = 8, dtype: t
     neurons: list[torch.Tensor | None] = [None] * L
     sums: list[StreamSums] = []  # one running total (a [d, d] float64 a layer: 134 MB each at 7B)
     layered: dict[int, Held] = {}
-    folder = tempfile.TemporaryDirectory(prefix="attnid-heads-") if spill else None
+    folder = None
+    if spill:  # the files go with the Pair
+        folder = tempfile.TemporaryDirectory(prefix="attnid-heads-", ignore_cleanup_errors=True)
 
     def keep(kind: str, i: int, x: torch.Tensor) -> None:
         k = point()
@@ -313,16 +335,16 @@ def collect_pair(A: Model, B: Model, ids: torch.Tensor, batch: int = 8, dtype: t
         else:
             neurons[i] = _match_neurons(_standardise_(xa), _standardise_(xb), signed)
 
-    _hooked(lm, lay, keep)
     try:
+        _hooked(lm, lay, keep)
         lm.run(Segment(sa, sb), [0.0, 1.0], ids, batch, _runner(dtype), budget=ONE_GROUP)
+        del lm
+        if any(c != [N, N] for rows in count.values() for c in rows):
+            raise AttnidError("internal: a layer's activations were not complete")
     except BaseException:
         if folder is not None:  # now, not when the traceback lets the folder go
             folder.cleanup()
         raise
-    del lm
-    if any(c != [N, N] for rows in count.values() for c in rows):
-        raise AttnidError("internal: a layer's activations were not complete")
     return Pair(sums[0], tuple(layered[i] for i in range(L)), tuple(p for p in neurons if p is not None),
                 folder)
 
@@ -431,10 +453,11 @@ class Spilled:
         path = Path(folder.name) / f"heads-{layer}.pt"
         try:
             torch.save({"cross": sums.cross, "gram_a": sums.gram_a, "gram_b": sums.gram_b}, path)
-        except OSError as e:  # a full disk: one line, and the folder goes with the activations
+        except (OSError, RuntimeError) as e:  # a full disk (torch reports a failed write as a RuntimeError)
             size = sum(t.numel() * t.element_size() for t in (sums.cross, sums.gram_a, sums.gram_b))
+            why = e.strerror if isinstance(e, OSError) and e.strerror else "the write failed"
             raise AttnidError(f"--calibration: could not write layer {layer}'s head sums "
-                              f"({size / 1e6:.0f} MB a layer) into {folder.name}: {e.strerror or e}; "
+                              f"({size / 1e6:.3g} MB a layer) into {folder.name}: {why}; "
                               "set TMPDIR to a folder with room") from None
         return cls(path)
 

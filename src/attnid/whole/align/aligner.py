@@ -42,7 +42,13 @@ import attnid.whole.fit.canonical as C
 from attnid.adapters.layout import Lin
 from attnid.errors import AttnidError, renamed_keyword
 from attnid.numerics import sq_distance, sums_of_products
-from attnid.whole.align.activations import check_memory, collect_pair, head_matching, keep_dtype
+from attnid.whole.align.activations import (
+    check_disk,
+    check_memory,
+    collect_pair,
+    head_matching,
+    keep_dtype,
+)
 from attnid.whole.align.additive import fit_additive
 from attnid.whole.align.gauges import Kind, pair_fit, scalar_fit
 from attnid.whole.align.stream import ROUNDS, Pair, cross, fit_stream, gains_to, permuted, refit
@@ -639,6 +645,8 @@ def activations(A: Any, B: Any, subgroup: str, calibration: torch.Tensor | None,
         return None
     spill = not isinstance(B, ModelTensors)  # a checkpoint's: each layer's head sums kept in a file
     check_memory(B, calibration, spill)  # in B's compute dtype, as it is collected
+    if spill:
+        check_disk(B, calibration)
     acts = collect_pair(A, B, calibration, dtype=keep_dtype(B), signed=B.layout.mlp != "gated", spill=spill)
     (progress or (lambda _: None))(f"activations collected on {calibration.numel()} calibration tokens, "
                                    "neurons matched")
