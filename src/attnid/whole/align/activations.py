@@ -192,9 +192,9 @@ def kept_bytes(m: Model, ids: torch.Tensor, batch: int = 8, spill: bool = False)
         if not HeadSums.smaller(N, H, dv):
             heads += 2 * N * H * dv  # the outputs
         elif spill:
-            spilled = max(spilled, (H * dv) ** 2 + 2 * H * dv * dv)  # one layer's sums read back
+            spilled = max(spilled, HeadSums.numbers(H, dv))  # one layer's sums read back
         else:
-            heads += (H * dv) ** 2 + 2 * H * dv * dv
+            heads += HeadSums.numbers(H, dv)
     heads += spilled
     return dtype.itemsize * (hidden + heads + max(rows, default=0))
 
@@ -214,7 +214,7 @@ def spilled_bytes(m: Model, ids: torch.Tensor) -> int:
     """The files `collect_pair`'s ``spill`` writes on the chunks ``ids``: every layer's
     `HeadSums` where they are kept instead of the outputs, in `keep_dtype`."""
     N = int(ids.numel())
-    return keep_dtype(m).itemsize * sum((H * dv) ** 2 + 2 * H * dv * dv for _, H, dv, _ in _widths(m)
+    return keep_dtype(m).itemsize * sum(HeadSums.numbers(H, dv) for _, H, dv, _ in _widths(m)
                                         if HeadSums.smaller(N, H, dv))
 
 
@@ -406,9 +406,14 @@ class HeadSums:
     gram_b: torch.Tensor
 
     @staticmethod
+    def numbers(heads: int, dv: int) -> int:
+        """How many numbers the sums hold: the cross product and both models' Gram matrices."""
+        return (heads * dv) ** 2 + 2 * heads * dv * dv
+
+    @staticmethod
     def smaller(tokens: int, heads: int, dv: int) -> bool:
         """Whether the sums hold fewer numbers than both models' outputs."""
-        return (heads * dv) ** 2 + 2 * heads * dv * dv < 2 * tokens * heads * dv
+        return HeadSums.numbers(heads, dv) < 2 * tokens * heads * dv
 
     @classmethod
     def of(cls, ZA: torch.Tensor, ZB: torch.Tensor, heads: int, block: int = 1024) -> HeadSums:
@@ -452,9 +457,9 @@ class Spilled:
     def of(cls, sums: HeadSums, folder: tempfile.TemporaryDirectory, layer: int) -> Spilled:
         path = Path(folder.name) / f"heads-{layer}.pt"
         try:
-            torch.save({"cross": sums.cross, "gram_a": sums.gram_a, "gram_b": sums.gram_b}, path)
+            torch.save(vars(sums), path)  # the fields by name, as `load` gives them back
         except (OSError, RuntimeError) as e:  # a full disk (torch reports a failed write as a RuntimeError)
-            size = sum(t.numel() * t.element_size() for t in (sums.cross, sums.gram_a, sums.gram_b))
+            size = sum(t.numel() * t.element_size() for t in vars(sums).values())
             why = e.strerror if isinstance(e, OSError) and e.strerror else "the write failed"
             raise AttnidError(f"--calibration: could not write layer {layer}'s head sums "
                               f"({size / 1e6:.3g} MB a layer) into {folder.name}: {why}; "
