@@ -93,3 +93,31 @@ def test_return_freed_memory_hands_freed_blocks_back():
     back = {how: int(subprocess.run([sys.executable, "-c", HELD, how], capture_output=True, text=True,
                                     check=True, env=env).stdout) for how in ("default", "return")}
     assert back["default"] < 40 and back["return"] >= 150, f"MiB handed back when freed: {back}"
+
+
+AT_IMPORT = """
+import importlib.abc, os, sys
+seen = []
+class Watch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "torch" and not seen:
+            seen.append(os.environ.get("THP_MEM_ALLOC_ENABLE"))
+        return None
+sys.meta_path.insert(0, Watch())
+from attnid.cli import main
+code = main(sys.argv[1:])
+print(code, seen)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="torch's THP_MEM_ALLOC_ENABLE is Linux's")
+@pytest.mark.parametrize("argv", [["diff", "A", "B"], ["align", "A", "B", "OUT"],
+                                  ["merge", "A", "B", "OUT"], ["barrier", "A", "B", "--calibration", "T"]],
+                         ids=lambda a: a[0])
+def test_streamed_commands_take_huge_pages_before_torch(argv, tmp_path):
+    """Each streamed command asks for huge pages while torch is not yet imported (torch reads
+    the setting once, at its first allocation): the environment as torch's import begins."""
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    out = subprocess.run([sys.executable, "-c", AT_IMPORT, *argv], capture_output=True, text=True,
+                         env=env, cwd=tmp_path, timeout=300)
+    assert out.stdout.strip().endswith("['1']"), (out.stdout, out.stderr[-2000:])

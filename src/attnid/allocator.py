@@ -14,7 +14,9 @@ align`, `merge`, `barrier`, where keeping freed blocks fragments the heap: the 7
 align peaked at 4.5-6.2 GB): torch's own allocator asks the kernel for transparent huge pages
 (2 MiB) for every tensor of 2 MiB or more (``THP_MEM_ALLOC_ENABLE``), so a fresh block costs
 one fault per 2 MiB instead of one per 4 KiB. On that align, two runs each: 30.4-31.8 s with
-11.6-12.7 s of system time, against 36.7-42.6 s with 26-31 s, peak 3.26 GB either way.
+11.6-12.7 s of system time, against 36.7-42.6 s with 26-31 s, peak 3.26 GB either way. `attnid
+diff` takes both: its heap still grows to the first units' size, and those blocks fault in huge
+pages (the 8-layer diff, three runs each, alternating: 19.2-20.8 s against 21.4-22.5 s).
 
 `return_freed_memory` is the third setting, for the same commands: glibc's heap kept the
 blocks a unit had freed resident into the next unit (see its docstring).

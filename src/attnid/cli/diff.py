@@ -24,14 +24,15 @@ def diff_cmd(
     permutations, attention gauges, MLP scaling, ...)? Exit 0: certified to the dtype's
     rounding; exit 1: not, and the layer, checkpoint tensor and size of the first break are
     named; exit 2: bad input."""
+    from attnid.allocator import huge_pages, keep_freed_memory
+
+    huge_pages()  # before torch is imported: a fresh block faults in 2 MiB pages
     read_ahead(model_a, model_b)  # the first units read while torch is imported
     from attnid.checkpoint.diff import diff
     from attnid.checkpoint.load import open_checkpoint
     from attnid.errors import require_extras
 
     require_extras("hf", what="attnid diff")
-    from attnid.allocator import keep_freed_memory
-
     keep_freed_memory()  # a streamed pass: freed blocks reused, not mapped afresh per unit
     a, b = open_checkpoint(model_a), open_checkpoint(model_b)
     r = diff(a, b, probes=probes, progress=sized_progress(model_a, model_b, above=2**28))
