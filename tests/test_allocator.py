@@ -111,7 +111,8 @@ print(code, seen)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="torch's THP_MEM_ALLOC_ENABLE is Linux's")
-@pytest.mark.parametrize("argv", [["diff", "A", "B"], ["align", "A", "B", "OUT"],
+@pytest.mark.parametrize("argv", [["diff", "A", "B"], ["rewrite", "A", "OUT", "--fold-norms"],
+                                  ["canonicalize", "A", "OUT"], ["align", "A", "B", "OUT"],
                                   ["merge", "A", "B", "OUT"], ["barrier", "A", "B", "--calibration", "T"]],
                          ids=lambda a: a[0])
 def test_streamed_commands_take_huge_pages_before_torch(argv, tmp_path):

@@ -17,6 +17,10 @@ one fault per 2 MiB instead of one per 4 KiB. On that align, two runs each: 30.4
 11.6-12.7 s of system time, against 36.7-42.6 s with 26-31 s, peak 3.26 GB either way. `attnid
 diff` takes both: its heap still grows to the first units' size, and those blocks fault in huge
 pages (the 8-layer diff, three runs each, alternating: 19.2-20.8 s against 21.4-22.5 s).
+`rewrite` and `canonicalize` take huge pages alone (8 layers, two runs each, alternating:
+`rewrite --fold-norms --rotate-residual hadamard --rotate-values hadamard` 36.7-39.5 s against
+60.3-60.7 s, peak 2.96 GiB either way; `canonicalize` 35.0-36.4 s against 52.0-52.3 s, peak
+2.60 against 2.80 GiB).
 
 `return_freed_memory` is the third setting, for the same commands: glibc's heap kept the
 blocks a unit had freed resident into the next unit (see its docstring).
