@@ -9,21 +9,22 @@ keep freed blocks for reuse instead (``mallopt``: large blocks from the heap, no
 1 GiB pad), which brought that run to 23 s with 7 s of system time; its peak resident memory
 rose from 3.0 to 3.4 GB (reused blocks stay resident). Elsewhere (macOS, musl) it does nothing.
 
-`huge_pages` is the other way to the same end, for commands that hold more at once (`attnid
-align`, `merge`, `barrier`, where keeping freed blocks fragments the heap: the 7B-shaped 2-layer
-align peaked at 4.5-6.2 GB): torch's own allocator asks the kernel for transparent huge pages
-(2 MiB) for every tensor of 2 MiB or more (``THP_MEM_ALLOC_ENABLE``), so a fresh block costs
-one fault per 2 MiB instead of one per 4 KiB. On that align, two runs each: 30.4-31.8 s with
+`huge_pages` is the other way to the same end: torch's own allocator asks the kernel for
+transparent huge pages (2 MiB) for every tensor of 2 MiB or more (``THP_MEM_ALLOC_ENABLE``), so
+a fresh block costs one fault per 2 MiB instead of one per 4 KiB where the kernel has them to
+give. Every streamed command takes it. `attnid align`, `merge` and `barrier` take it instead of
+keeping freed blocks, which fragments the heap of commands that hold more at once (the
+7B-shaped 2-layer align peaked at 4.5-6.2 GB): on that align, two runs each, 30.4-31.8 s with
 11.6-12.7 s of system time, against 36.7-42.6 s with 26-31 s, peak 3.26 GB either way. `attnid
 diff` takes both: its heap still grows to the first units' size, and those blocks fault in huge
 pages (the 8-layer diff, three runs each, alternating: 19.2-20.8 s against 21.4-22.5 s).
 `rewrite` and `canonicalize` take huge pages alone (8 layers, two runs each, alternating:
 `rewrite --fold-norms --rotate-residual hadamard --rotate-values hadamard` 36.7-39.5 s against
-60.3-60.7 s, peak 2.96 GiB either way; `canonicalize` 35.0-36.4 s against 52.0-52.3 s, peak
-2.60 against 2.80 GiB).
+60.3-60.7 s, peak 3.18 GB either way; `canonicalize` 35.0-36.4 s against 52.0-52.3 s, peak
+2.78-2.79 against 3.01-3.03 GB).
 
-`return_freed_memory` is the third setting, for the same commands: glibc's heap kept the
-blocks a unit had freed resident into the next unit (see its docstring).
+`return_freed_memory` is the third setting, for `align`, `merge` and `barrier` only: glibc's
+heap kept the blocks a unit had freed resident into the next unit (see its docstring).
 """
 
 from __future__ import annotations
