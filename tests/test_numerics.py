@@ -82,3 +82,44 @@ def test_sums_of_products_in_blocks_along_the_stored_rows(layout, dim, monkeypat
     err = relative_error(got, want)
     assert err < 1e-14, f"{layout}, dim {dim}: relative error {err:.1e}"
     assert torch.equal(numerics.sums_of_products(x, x.clone(), dim), numerics.sums_of_products(x, x, dim))
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "head slice"])
+def test_sq_distance_of_strided_views_copies_no_whole(layout, monkeypatch):
+    """`sq_distance` equals ``||x - y||^2`` (float64, 1e-14) for a contiguous tensor, a transposed
+    view and a head's slice of a ``[H, d, k]`` view, with blocks of 40 numbers; on the views no
+    tensor as large as the input is made (counted through ``Tensor.contiguous`` and
+    ``Tensor.reshape`` copies: the difference of each block is the only arithmetic)."""
+    monkeypatch.setattr(numerics, "DISTANCE_CHUNK", 40)
+    g = torch.Generator().manual_seed(0)
+    W, V = (torch.randn(6 * 5, 37, generator=g, dtype=torch.float64) for _ in range(2))
+    if layout == "contiguous":
+        x, y = W, V
+    elif layout == "transposed":
+        x, y = W.T, V.T  # [37, 30], strided
+    else:
+        x, y = (t.reshape(6, 5, 37).transpose(-1, -2)[2] for t in (W, V))  # [37, 5] of [6, 37, 5]
+    want = float(((x - y) ** 2).sum())
+    made = []
+    real = torch.Tensor.reshape
+
+    def reshape(t, *shape):
+        out = real(t, *shape)
+        if out.numel() == x.numel() and out.data_ptr() != t.data_ptr():
+            made.append(shape)
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "reshape", reshape)
+    got = numerics.sq_distance(x, y)
+    assert abs(got - want) <= 1e-14 * want, f"{layout}: {got} against {want}"
+    assert not made, f"{layout}: a copy of the whole input was made ({made})"
+
+
+def test_row_sq_distances_equal_the_direct_sums(monkeypatch):
+    """`row_sq_distances` gives ``((x - y) ** 2).sum(1)`` bit for bit (the rows are summed alike
+    in any block), and a row paired with its copy costs exactly 0."""
+    monkeypatch.setattr(numerics, "DISTANCE_CHUNK", 40)
+    g = torch.Generator().manual_seed(1)
+    x, y = (torch.randn(37, 11, generator=g, dtype=torch.float32) for _ in range(2))
+    assert torch.equal(numerics.row_sq_distances(x, y), ((x - y) ** 2).sum(1))
+    assert torch.equal(numerics.row_sq_distances(x, x.clone()), torch.zeros(37))

@@ -91,12 +91,32 @@ def sq_distance(x: torch.Tensor, y: torch.Tensor) -> float:
     4.0
     """
     dt = torch.promote_types(x.dtype, torch.float32)  # bfloat16 and float16 differences in float32
-    fx, fy = x.reshape(-1), y.reshape(-1)
     total = 0.0
+    if x.dim() > 1 and not (x.is_contiguous() and y.is_contiguous()):
+        # a strided view (a head's slice of a projection): blocks of its leading rows, so that
+        # no contiguous copy of the whole is made (a block of 2 MiB or more is mapped afresh by
+        # the streamed commands, `attnid.allocator.return_freed_memory`)
+        rows = max(1, DISTANCE_CHUNK // max(1, x[0].numel()))
+        for a, b in zip(x.split(rows), y.split(rows), strict=True):
+            total += float(torch.linalg.vector_norm(a.to(dt) - b.to(dt))) ** 2
+        return total
+    fx, fy = x.reshape(-1), y.reshape(-1)
     for i in range(0, fx.numel(), DISTANCE_CHUNK):
         chunk = fx[i:i + DISTANCE_CHUNK].to(dt) - fy[i:i + DISTANCE_CHUNK].to(dt)
         total += float(torch.linalg.vector_norm(chunk)) ** 2
     return total
+
+
+def row_sq_distances(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``((x - y) ** 2).sum(1)`` of two ``[n, p]`` tensors, a block of at most
+    :data:`DISTANCE_CHUNK` numbers at a time (no full-size difference; as `sums_of_products`).
+
+    >>> row_sq_distances(torch.tensor([[1.0, 2.0], [3.0, 4.0]]), torch.zeros(2, 2))
+    tensor([ 5., 25.])
+    """
+    rows = max(1, DISTANCE_CHUNK // max(1, x.shape[1]))
+    parts = [((a - b) ** 2).sum(1) for a, b in zip(x.split(rows), y.split(rows), strict=True)]
+    return torch.cat(parts) if parts else ((x - y) ** 2).sum(1)
 
 
 def _svd_polar(M: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 
 from attnid.errors import require
-from attnid.numerics import sums_of_products
+from attnid.numerics import row_sq_distances, sums_of_products
 from attnid.rope import plane_dims
 from attnid.weights import AttentionWeights
 from attnid.whole.fit.canonical import MLP
@@ -193,7 +193,7 @@ def _diagonal(fa: tuple[torch.Tensor, torch.Tensor | None], fb: tuple[torch.Tens
     """The cost of pairing neuron ``j`` with neuron ``j`` (``[f]``)."""
     (a, a2), (b, b2) = fa, fb
     if a2 is None:
-        return _dot(a - b, a - b) / (_dot(a, a) + _dot(b, b)).clamp_min(1e-300)
+        return row_sq_distances(a, b) / (_dot(a, a) + _dot(b, b)).clamp_min(1e-300)
     na, nb = _dot(a, a) * _dot(a2, a2), _dot(b, b) * _dot(b2, b2)  # a neuron paired with its copy: cost 0
     cross = _dot(a, b) * _dot(a2, b2)
     return (na + nb - 2 * cross).clamp_min(0) / (na + nb).clamp_min(1e-300)
