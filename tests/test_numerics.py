@@ -88,8 +88,8 @@ def test_sums_of_products_in_blocks_along_the_stored_rows(layout, dim, monkeypat
 def test_sq_distance_of_strided_views_copies_no_whole(layout, monkeypatch):
     """`sq_distance` equals ``||x - y||^2`` (float64, 1e-14) for a contiguous tensor, a transposed
     view and a head's slice of a ``[H, d, k]`` view, with blocks of 40 numbers; on the views no
-    tensor as large as the input is made (counted through ``Tensor.contiguous`` and
-    ``Tensor.reshape`` copies: the difference of each block is the only arithmetic)."""
+    copy of the whole input is made (counted through ``Tensor.reshape``, which copies a strided
+    tensor whole when it flattens it)."""
     monkeypatch.setattr(numerics, "DISTANCE_CHUNK", 40)
     g = torch.Generator().manual_seed(0)
     W, V = (torch.randn(6 * 5, 37, generator=g, dtype=torch.float64) for _ in range(2))

@@ -91,19 +91,15 @@ def sq_distance(x: torch.Tensor, y: torch.Tensor) -> float:
     4.0
     """
     dt = torch.promote_types(x.dtype, torch.float32)  # bfloat16 and float16 differences in float32
+    if (x.is_contiguous() and y.is_contiguous()) or x.dim() < 2:
+        x, y = x.reshape(-1), y.reshape(-1)  # views: blocks of DISTANCE_CHUNK numbers
+    # a strided view (a head's slice of a projection) stays as it is, a block of its leading
+    # rows at a time: no contiguous copy of the whole (a block of 2 MiB or more is mapped
+    # afresh by the streamed commands, `attnid.allocator.return_freed_memory`)
+    rows = max(1, DISTANCE_CHUNK // max(1, x[0].numel()))
     total = 0.0
-    if x.dim() > 1 and not (x.is_contiguous() and y.is_contiguous()):
-        # a strided view (a head's slice of a projection): blocks of its leading rows, so that
-        # no contiguous copy of the whole is made (a block of 2 MiB or more is mapped afresh by
-        # the streamed commands, `attnid.allocator.return_freed_memory`)
-        rows = max(1, DISTANCE_CHUNK // max(1, x[0].numel()))
-        for a, b in zip(x.split(rows), y.split(rows), strict=True):
-            total += float(torch.linalg.vector_norm(a.to(dt) - b.to(dt))) ** 2
-        return total
-    fx, fy = x.reshape(-1), y.reshape(-1)
-    for i in range(0, fx.numel(), DISTANCE_CHUNK):
-        chunk = fx[i:i + DISTANCE_CHUNK].to(dt) - fy[i:i + DISTANCE_CHUNK].to(dt)
-        total += float(torch.linalg.vector_norm(chunk)) ** 2
+    for a, b in zip(x.split(rows), y.split(rows), strict=True):
+        total += float(torch.linalg.vector_norm(a.to(dt) - b.to(dt))) ** 2
     return total
 
 

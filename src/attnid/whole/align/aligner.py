@@ -326,9 +326,15 @@ def fit_mlp(a: ModelTensors, b: ModelTensors, i: int) -> tuple[ModelTensors, tor
     the layer's MLP, 0.5 GB at 7B widths in float32)."""
     (XA, YA), (XB, YB) = _up(a, i), _up(b, i)
     c = scalar_fit(*_sums(XA, XB, 1), *_sums(YA, YB, 1), positive=b.layout.mlp == "relu")
-    if bool(((c - 1).abs() <= torch.finfo(XB.dtype).eps).all()):
+    if _ones(c, XB.dtype):
         return b, torch.ones_like(c)
     return mlp_scaling(b, i, c), c
+
+
+def _ones(s: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether every scale of ``s`` is 1 to the rounding of arithmetic in ``dtype`` (a transform
+    by them would only copy what it scales)."""
+    return bool(((s - 1).abs() <= torch.finfo(dtype).eps).all())
 
 
 def fit_norms(a: ModelTensors, b: ModelTensors) -> tuple[ModelTensors, dict[str, torch.Tensor]]:
@@ -344,8 +350,8 @@ def fit_norms(a: ModelTensors, b: ModelTensors) -> tuple[ModelTensors, dict[str,
 
         col = [_sums(a.weight(r), b.weight(r), 0) for r in readers]  # per stream coordinate [d]
         s = scalar_fit(*_sums(gains(a), gains(b), 1), sum(x[0] for x in col), sum(x[1] for x in col))
-        if bool(((s - 1).abs() <= torch.finfo(b.gain(nm).dtype).eps).all()):  # 1 to the arithmetic's
-            s = torch.ones_like(s)  # own rounding: the transfer would only copy the readers
+        if _ones(s, b.gain(nm).dtype):  # the transfer would only copy the readers
+            s = torch.ones_like(s)
         else:
             b = norm_gain_transfer(b, nm.path, s)
         out[nm.path] = s
