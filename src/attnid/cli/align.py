@@ -47,10 +47,9 @@ def align_cmd(
     (with --refine, then moved within the group to lower the loss between A and B): the same
     function as B (certified by `attnid diff` against B, and end to end), in A's
     coordinates. Reports the raw and aligned distances and the share of each part."""
-    from attnid.allocator import huge_pages, return_freed_memory
+    from attnid.allocator import streamed
 
-    huge_pages()  # before torch is imported: fewer page faults for each unit's blocks
-    return_freed_memory()  # no freed block kept resident from one unit to the next
+    streamed(return_freed=True)  # before torch is imported (`attnid.allocator`)
     read_ahead(model_a, model_b)  # the first units read while torch is imported
     from attnid.checkpoint.align import align_checkpoints
     from attnid.errors import require_extras
@@ -114,10 +113,9 @@ def merge_cmd(
     json_out: Json = False,
 ) -> None:
     """Write (1 - alpha) A + alpha B, with B first aligned onto A when --align."""
-    from attnid.allocator import huge_pages, return_freed_memory
+    from attnid.allocator import streamed
 
-    huge_pages()  # before torch is imported: fewer page faults for each unit's blocks
-    return_freed_memory()  # no freed block kept resident from one unit to the next
+    streamed(return_freed=True)  # before torch is imported (`attnid.allocator`)
     read_ahead(model_a, model_b)  # the first units read while torch is imported
     from attnid.checkpoint.align import merge_checkpoints
     from attnid.errors import require_extras
@@ -163,10 +161,9 @@ def barrier_cmd(
     and the mid-point barrier: the loss at alpha = 0.5 less the mean of the end losses."""
     from pathlib import Path
 
-    from attnid.allocator import huge_pages, return_freed_memory
+    from attnid.allocator import streamed
 
-    huge_pages()  # before torch is imported: fewer page faults for each unit's blocks
-    return_freed_memory()  # no freed block kept resident from one unit to the next
+    streamed(return_freed=True)  # before torch is imported (`attnid.allocator`)
     from attnid.checkpoint.barrier import barrier, plot_path
     from attnid.errors import AttnidError, require_extras
 

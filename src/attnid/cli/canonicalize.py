@@ -29,9 +29,9 @@ def canonicalize_cmd(
 
     Default: every operation that applies to the architecture.
     """
-    from attnid.allocator import huge_pages
+    from attnid.allocator import streamed
 
-    huge_pages()  # before torch is imported: a fresh block faults in 2 MiB pages
+    streamed()  # before torch is imported (`attnid.allocator`)
     from attnid.checkpoint.canonicalize import canonicalize
     from attnid.errors import require_extras
 

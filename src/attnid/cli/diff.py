@@ -24,9 +24,9 @@ def diff_cmd(
     permutations, attention gauges, MLP scaling, ...)? Exit 0: certified to the dtype's
     rounding; exit 1: not, and the layer, checkpoint tensor and size of the first break are
     named; exit 2: bad input."""
-    from attnid.allocator import huge_pages, keep_freed_memory
+    from attnid.allocator import keep_freed_memory, streamed
 
-    huge_pages()  # before torch is imported: a fresh block faults in 2 MiB pages
+    streamed()  # before torch is imported (`attnid.allocator`)
     read_ahead(model_a, model_b)  # the first units read while torch is imported
     from attnid.checkpoint.diff import diff
     from attnid.checkpoint.load import open_checkpoint

@@ -52,9 +52,9 @@ def rewrite_cmd(
     SmoothQuant-style MLP scaling, merging tools' permutations), certified by `attnid diff`
     against the input before anything is written."""
 
-    from attnid.allocator import huge_pages
+    from attnid.allocator import streamed
 
-    huge_pages()  # before torch is imported: a fresh block faults in 2 MiB pages
+    streamed()  # before torch is imported (`attnid.allocator`)
     from attnid.checkpoint.rewrite import Recipe, rewrite
     from attnid.errors import require_extras
 
