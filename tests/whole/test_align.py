@@ -74,6 +74,40 @@ def test_calibration_matching_aligns_back_exactly(family):
     assert al.aligned_distance < 1e-10 * al.raw_distance, (family, al.aligned_distance)
 
 
+@pytest.mark.parametrize("family", ["llama-gqa", "gpt2-untied", "llama-tied"])
+def test_calibration_matching_of_models_whose_config_names_no_class(family):
+    """A model built from a config object (``LlamaForCausalLM(LlamaConfig(...))``) has no
+    ``architectures``: its activations are collected by a model rebuilt from the config, which
+    was the bare one (no ``model.`` prefix: an AttributeError) before `module_config` named the
+    module's own class. The same alignment as with the config naming it."""
+    A = tiny_model(FAMILIES[family], seed=0)
+    B = T.apply_element(A, element(A))
+    ids = torch.randint(0, A.config.vocab_size, (4, 6), generator=gen(2))
+    named = align(A, B, subgroup="full", calibration=ids)
+    for m in (A, B):
+        m.config.architectures = None
+    al = align(A, B, subgroup="full", calibration=ids)
+    assert al.aligned_distance < 1e-10 * al.raw_distance, (family, al.aligned_distance)
+    assert al.aligned_distance == named.aligned_distance, (al.aligned_distance, named.aligned_distance)
+
+
+def test_module_config_names_the_nearest_transformers_class():
+    """`module_config`: a config's own ``architectures`` stand; without, the module's class, or
+    for a subclass of a transformers class that class (what transformers can build again)."""
+    import transformers
+
+    from attnid.whole.transforms.state import module_config
+
+    m = tiny_model(FAMILIES["llama-gqa"], seed=0)
+    m.config.architectures = ["SomethingElse"]
+    assert module_config(m)["architectures"] == ["SomethingElse"]
+    m.config.architectures = None
+    assert module_config(m)["architectures"] == [type(m).__name__] == ["LlamaForCausalLM"]
+    mine = type("MyLlama", (transformers.LlamaForCausalLM,), {})(m.config)
+    assert module_config(mine)["architectures"] == ["LlamaForCausalLM"]
+    assert module_config(mine.model)["architectures"] == ["LlamaModel"]
+
+
 CASES = [pytest.param(f, g, id=f"{f}-{g}") for f in ("llama-gqa", "qwen2-bias-gqa", "gpt2-untied",
                                                      "neox-parallel", "bert", "llama-tied", "phi3")
          for g in SUBGROUPS]

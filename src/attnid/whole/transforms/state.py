@@ -31,6 +31,26 @@ from attnid.weights import AttentionWeights
 from attnid.whole.transforms.layout import Layout, Lin, Norm, layout_for, layout_of
 
 
+def module_config(model: nn.Module) -> dict[str, Any]:
+    """A transformers module's config as a dict, naming the module's own class in
+    ``architectures`` when the config names none (as ``save_pretrained`` records it): a model
+    built from a config object (``LlamaForCausalLM(LlamaConfig(...))``) has none, and a
+    model rebuilt from the config (`attnid.whole.layerwise`) would otherwise be the bare one.
+    For a subclass, the nearest class transformers (or attnid: `adapters.base.own_classes`) defines."""
+    import transformers
+
+    from attnid.adapters.base import own_classes
+
+    config = model.config.to_dict()
+    if config.get("architectures"):
+        return config
+    own = own_classes(config)
+    for c in type(model).__mro__:
+        if own.get(c.__name__) is c or getattr(transformers, c.__name__, None) is c:
+            return {**config, "architectures": [c.__name__]}
+    return config
+
+
 @dataclass(frozen=True)
 class ModelTensors:
     """Tensors by ``state_dict`` name, the layout, and the config (for the attention adapter)."""
@@ -41,9 +61,10 @@ class ModelTensors:
 
     @classmethod
     def of(cls, model: nn.Module) -> ModelTensors:
-        """A module's tensors (detached; nothing is copied)."""
+        """A module's tensors (detached; nothing is copied), its config with the class it is
+        (`module_config`)."""
         return cls(layout_of(model), {k: v.detach() for k, v in model.state_dict().items()},
-                   model.config.to_dict())
+                   module_config(model))
 
     @classmethod
     def from_config(cls, config: dict[str, Any], tensors: Mapping[str, torch.Tensor]) -> ModelTensors:
