@@ -236,7 +236,7 @@ def test_activations_are_kept_in_the_checkpoints_compute_dtype(tmp_path, monkeyp
 
 
 @pytest.mark.parametrize("family", ["llama-gqa", "gpt2-untied", "bert"])
-@pytest.mark.parametrize("groups", ["one group", "a chunk a group"])
+@pytest.mark.parametrize("groups", ["batches of 2", "more chunks than forwards"])
 @pytest.mark.parametrize("heads", ["outputs", "sums", "sums in files"])
 def test_both_models_run_together_reduce_as_each_alone(family, groups, heads, tmp_path, monkeypatch):
     """`collect_pair` (A and B run as the two ends of one segment, each layer reduced once both
@@ -244,16 +244,27 @@ def test_both_models_run_together_reduce_as_each_alone(family, groups, heads, tm
     gives: the same stream sums and head outputs (or their `HeadSums`, in memory or spilled to
     files that go with the pair) to the rounding of the kept dtype (the groupings run batches
     of different sizes) and the same neuron matchings; from memory and from bfloat16
-    checkpoints (float32 kept), in one group of chunks and in groups of one batch."""
+    checkpoints (float32 kept). Every chunk is in one group, the layers streamed once, also
+    when the chunks are more than the runner's forwards in flight hold in batches of 2 (a
+    forward a model here): then a forward runs them all (`pair_batch`)."""
     from attnid.adapters.base import build_hf_model
     from attnid.checkpoint.load import open_checkpoint
     from attnid.checkpoint.units import open_units
     from attnid.whole import layerwise
     from attnid.whole.align import activations as act
 
-    if groups != "one group":  # groups of one batch (`collect_pair` sets no budget on the states)
-        monkeypatch.setattr(layerwise, "HIDDEN_BUDGET", 1)
-        monkeypatch.setattr(layerwise, "MAX_GATES", 2)  # a forward a point: a batch a group
+    if groups != "batches of 2":
+        monkeypatch.setattr(layerwise, "HIDDEN_BUDGET", 1)  # not collect_pair's bound
+        monkeypatch.setattr(layerwise, "MAX_GATES", 2)  # a forward a point
+    streamed, sizes = [], []
+    group = layerwise.LayerwiseLM._group
+
+    def counted(self, path, ts, chunks, work, progress):
+        streamed.append(len(ts))
+        sizes.extend(len(x) for x in chunks)
+        return group(self, path, ts, chunks, work, progress)
+
+    monkeypatch.setattr(layerwise.LayerwiseLM, "_group", counted)
     monkeypatch.setattr(act.HeadSums, "smaller", staticmethod(lambda *_: heads != "outputs"))
     cfg = FAMILIES[family]
     models = [tiny_model(cfg, seed=s) for s in (0, 1)]
@@ -271,8 +282,12 @@ def test_both_models_run_together_reduce_as_each_alone(family, groups, heads, tm
         dtype = act.keep_dtype(B)
         want = act.pair(act.collect(A, ids, batch=2, dtype=dtype), act.collect(B, ids, batch=2, dtype=dtype),
                         signed)
+        streamed.clear()
+        sizes.clear()
         got = act.collect_pair(A, B, ids, batch=2, dtype=dtype, signed=signed, spill=heads == "sums in files")
         case = f"{family} from {where}, {groups}"
+        want_sizes = [2, 2, 1] if groups == "batches of 2" else [5]
+        assert streamed == [2] and sizes == want_sizes, f"{case}: groups {streamed}, forwards {sizes}"
         files = [v.path for v in got.values if isinstance(v, act.Spilled)]
         assert len(files) == (len(got.values) if heads == "sums in files" else 0), f"{case}: {got.values}"
         held = [v.load() if isinstance(v, act.Spilled) else v for v in got.values]

@@ -45,12 +45,13 @@ from typing import Any
 import torch
 
 from attnid.errors import AttnidError
+from attnid.whole import layerwise
 from attnid.whole.check import Float64Mode
 from attnid.whole.fit.fitter import compute_dtype
 from attnid.whole.fit.match import assign_heads, assignment, blocked_assignment
 from attnid.whole.fit.rotation import procrustes_cross
 from attnid.whole.fit.source import TensorSource
-from attnid.whole.layerwise import LayerwiseLM, Segment, group_size, point
+from attnid.whole.layerwise import LayerwiseLM, Segment, point
 from attnid.whole.transforms.state import ModelTensors
 
 Model = Any  # a ModelTensors, or what `attnid.whole.layerwise` reads (a checkpoint's units, a TensorSource)
@@ -172,21 +173,17 @@ def _widths(m: Model) -> list[tuple[int, int, int, int]]:
     return out
 
 
-def kept_bytes(m: Model, ids: torch.Tensor, batch: int = 8, spill: bool = False) -> int:
+def kept_bytes(m: Model, ids: torch.Tensor, spill: bool = False) -> int:
     """What :func:`collect_pair` keeps at most for both models on the chunks ``ids [n, T]``, in
-    `keep_dtype`: the runner's hidden states, and when the chunks are one group of
-    `attnid.whole.layerwise`, every layer's head outputs or their `HeadSums` (the smaller) and
-    one layer's rows (stream, head outputs, neurons) before they are reduced; every layer's
-    rows until the last group otherwise. ``spill`` (`collect_pair`'s): of the `HeadSums`, the
-    largest layer's only."""
+    `keep_dtype`: the runner's hidden states of every chunk (one group: `pair_batch`), every
+    layer's head outputs or their `HeadSums` (the smaller), and one layer's rows (stream, head
+    outputs, neurons) before they are reduced. ``spill`` (`collect_pair`'s): of the
+    `HeadSums`, the largest layer's only."""
     widths = _widths(m)
     n, T = int(ids.shape[0]), int(ids.shape[1])
     N, dtype = n * T, keep_dtype(m)
-    group = group_size(T, widths[0][0], dtype, 2, batch, ONE_GROUP)
     rows = [2 * N * (d + H * dv + f) for d, H, dv, f in widths]
-    hidden = 2 * 3 * min(n, group) * T * widths[0][0]  # the runner's states: 3 a chunk and model
-    if n > group:
-        return dtype.itemsize * (hidden + sum(rows))
+    hidden = 2 * 3 * n * T * widths[0][0]  # the runner's states: 3 a chunk and model
     heads = spilled = 0
     for _, H, dv, _ in widths:
         if not HeadSums.smaller(N, H, dv):
@@ -282,10 +279,16 @@ def collect(m: Model, ids: torch.Tensor, batch: int = 8, dtype: torch.dtype = to
     return Activations(states, values, neurons)
 
 
-# the hidden states collect_pair's runner may hold: no bound, so that every chunk is in one group
-# (up to `layerwise.MAX_GATES` forwards): three states a chunk and model, against a layer's rows
-# of every layer (stream, heads, neurons) held until the last group when there are several
-ONE_GROUP = 2**62
+ONE_GROUP = 2**62  # the hidden states collect_pair's runner may hold: no bound (`pair_batch`)
+
+
+def pair_batch(n: int, batch: int) -> int:
+    """Chunks a forward of `collect_pair` runs: ``batch``, or more when ``n`` chunks would
+    need more forwards than `layerwise.MAX_GATES` holds in flight (16 a model), so that every
+    chunk is in one group. A layer is complete only once every chunk has passed it; in several
+    groups every layer's rows would be held until the last (docs/theory.md §13.20)."""
+    per_point = max(1, layerwise.MAX_GATES // 2)
+    return max(batch, -(-n // per_point))
 
 
 def collect_pair(A: Model, B: Model, ids: torch.Tensor, batch: int = 8, dtype: torch.dtype = torch.float64,
@@ -295,8 +298,8 @@ def collect_pair(A: Model, B: Model, ids: torch.Tensor, batch: int = 8, dtype: t
     layer's activations reduced once both models' are complete (`pair`'s reductions: the
     stream's sums, the neurons matched, ``signed`` as `neuron_matching`), so that one layer's
     stream and neurons are held at a time, and every layer's head outputs or their sums. Every
-    chunk runs in one group (`ONE_GROUP`) up to `layerwise.MAX_GATES` forwards; with more, each
-    layer's rows are held until the last group. ``spill``: each layer's `HeadSums` written to a
+    chunk runs in one group: no bound on the hidden states, and forwards of `pair_batch`
+    chunks (``batch`` up to 128 chunks). ``spill``: each layer's `HeadSums` written to a
     temporary file as made and read back when its layer is matched (`Spilled`: one layer's sums
     in memory at a time instead of every layer's, 71 MB a 7B layer)."""
     sa, sb = _source(A), _source(B)
@@ -337,7 +340,8 @@ def collect_pair(A: Model, B: Model, ids: torch.Tensor, batch: int = 8, dtype: t
 
     try:
         _hooked(lm, lay, keep)
-        lm.run(Segment(sa, sb), [0.0, 1.0], ids, batch, _runner(dtype), budget=ONE_GROUP)
+        lm.run(Segment(sa, sb), [0.0, 1.0], ids, pair_batch(int(ids.shape[0]), batch), _runner(dtype),
+               budget=ONE_GROUP)
         del lm
         if any(c != [N, N] for rows in count.values() for c in rows):
             raise AttnidError("internal: a layer's activations were not complete")
