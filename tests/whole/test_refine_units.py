@@ -119,6 +119,35 @@ def compare_gradients(family: str, pieces: bool, monkeypatch, uniform: bool = Fa
     return list(parts)
 
 
+def test_parts_of_the_batch_cut_what_runs_per_sequence():
+    """A part of the batch cuts the arguments whose first dimension follows the batch, read
+    from the arguments on 2 and 3 sequences (`_per_sequence`), not from shapes: with 4
+    sequences of 4 tokens a shared ``[T, d]`` table looks like the batch and stays whole, a
+    per-sequence ``[b]`` vector is cut; arguments shaped otherwise than layer 0's are refused."""
+    from attnid.errors import AttnidError
+
+    T, d = 4, 3
+    shared = torch.randn(T, d)
+
+    def arguments(n: int) -> tuple[tuple, dict]:
+        g = torch.Generator().manual_seed(n)
+        return ((torch.randn(n, T, d, generator=g),),
+                {"table": shared, "lengths": torch.arange(n), "mask": torch.randn(n, 1, T, T, generator=g),
+                 "cos": torch.randn(1, T, d), "pair": (torch.randn(n, T), None), "flag": True})
+
+    rows = refine_units_module._per_sequence(arguments(2), arguments(3))
+    args, kw = arguments(4)
+    part = slice(1, 3)
+    (a,), got = refine_units_module._rows((args, kw), part, rows, 4)
+    assert torch.equal(a, args[0][part]) and torch.equal(got["mask"], kw["mask"][part])
+    assert torch.equal(got["lengths"], kw["lengths"][part])
+    assert torch.equal(got["pair"][0], kw["pair"][0][part]) and got["pair"][1] is None
+    assert got["table"] is shared and got["cos"] is kw["cos"] and got["flag"] is True
+    with pytest.raises(AttnidError, match="not shaped as layer 0's"):
+        refine_units_module._rows((args, {**kw, "extra": torch.zeros(4, 2)}), part, rows, 4)
+    assert refine_units_module._rows((args, kw), part, None, 4) == (args, kw)  # one part: as it is
+
+
 @pytest.mark.parametrize("family", ["llama-gqa", "llama-tied", "gpt2-untied", "phi3"])
 def test_pieces_move_as_their_group(family, monkeypatch):
     """Each group's pieces (`UnitPathLoss._blocks`, 5 rows each) cover its cut tensors once, and

@@ -132,19 +132,41 @@ class _Stop(Exception):  # noqa: N818  (not an error: the forward's work is done
         self.x = x
 
 
-def _rows(tree: Any, part: slice, b: int) -> Any:
-    """``tree`` (a layer's arguments: tensors, tuples, dicts) with the rows ``part`` of every
-    tensor of two or more dimensions whose first is the batch ``b`` (hidden states, masks,
-    position ids and embeddings per sequence); the rest as it is (a position shared by the
-    batch, ``[1, T, ...]``, or 1-D)."""
+def _per_sequence(two: Any, three: Any) -> Any:
+    """Which of a layer's arguments run per sequence, from layer 0's arguments on batches of 2
+    and 3 sequences (`UnitPathLoss._sequences`): a tree like theirs with True for each tensor
+    whose first dimension follows the batch (hidden states, masks, positions per sequence) and
+    False for the rest (a position shared by the batch, ``[1, T, ...]``; anything else)."""
+    if isinstance(two, torch.Tensor) and isinstance(three, torch.Tensor):
+        return two.dim() >= 1 and (two.shape[0], three.shape[0]) == (2, 3)
+    if isinstance(two, (tuple, list)) and isinstance(three, (tuple, list)) and len(two) == len(three):
+        return tuple(_per_sequence(x, y) for x, y in zip(two, three, strict=True))
+    if isinstance(two, dict) and isinstance(three, dict) and two.keys() == three.keys():
+        return {k: _per_sequence(v, three[k]) for k, v in two.items()}
+    return False
+
+
+def _rows(tree: Any, part: slice, rows: Any, b: int) -> Any:
+    """``tree`` (a layer's arguments on a batch of ``b`` sequences: tensors, tuples, lists,
+    dicts) with the sequences ``part`` of every tensor `_per_sequence` marks in ``rows``, the
+    rest as it is. A tree that is not shaped as ``rows`` (a layer given other arguments than
+    layer 0) is refused rather than cut by a guess. ``rows`` None: one part, the whole batch."""
+    if rows is None:
+        return tree
     if isinstance(tree, torch.Tensor):
-        return tree[part] if tree.dim() >= 2 and tree.shape[0] == b else tree
-    if isinstance(tree, tuple):
-        return tuple(_rows(x, part, b) for x in tree)
-    if isinstance(tree, list):
-        return [_rows(x, part, b) for x in tree]
-    if isinstance(tree, dict):
-        return {k: _rows(v, part, b) for k, v in tree.items()}
+        if rows is True:
+            if tree.shape[0] != b:
+                raise AttnidError(f"internal: a layer's argument {list(tree.shape)} runs per sequence but "
+                                  f"its first dimension is not the batch's {b}")
+            return tree[part]
+        return tree
+    if isinstance(tree, (tuple, list)) and isinstance(rows, tuple) and len(tree) == len(rows):
+        out = [_rows(x, part, r, b) for x, r in zip(tree, rows, strict=True)]
+        return tuple(out) if isinstance(tree, tuple) else out
+    if isinstance(tree, dict) and isinstance(rows, dict) and tree.keys() == rows.keys():
+        return {k: _rows(v, part, rows[k], b) for k, v in tree.items()}
+    if isinstance(tree, (tuple, list, dict)) or rows is not False:
+        raise AttnidError("internal: a layer's arguments are not shaped as layer 0's")
     return tree
 
 
@@ -355,7 +377,7 @@ class UnitPathLoss:
             x = start if i == 0 and start is not None else _hidden(args, kwargs).detach()
             a, kw = _with_hidden(args, kwargs, x)
             w = self._layer(i, g, t)  # made once, run on each part (a 7B layer's MLP on 4,096 tokens
-            outs = [torch.func.functional_call(lm.layers[i], w, *_rows((a, kw), p, b))  # is 0.7 GB)
+            outs = [torch.func.functional_call(lm.layers[i], w, *_rows((a, kw), p, rows, b))  # is 0.7 GB)
                     for p in parts]
             out = outs[0] if len(outs) == 1 else _joined(outs)
             del w, outs
@@ -375,6 +397,7 @@ class UnitPathLoss:
                 rest = {n: _hollow(w) for n, w in tables.items()}
                 del tables
                 rest |= self._rest(g, t, sorted({self.a.unit_of[n] for n in self.lm.rest} - {0}))
+            rows = self._sequences(rest, ids) if len(parts) > 1 else None
             try:
                 self._forward(rest, ids, run)
             except _Stop as s:
@@ -418,7 +441,7 @@ class UnitPathLoss:
                 v.requires_grad_()
             ups = []
             for p in parts:
-                ap, kwp = _rows((a, kw), p, b)
+                ap, kwp = _rows((a, kw), p, rows, b)
                 x = _hidden(ap, kwp).detach().requires_grad_()
                 ap, kwp = _with_hidden(ap, kwp, x)
                 with torch.enable_grad():
@@ -459,6 +482,25 @@ class UnitPathLoss:
         except _Stop as s:
             return s.x
         raise AttnidError("internal: the forward did not reach the first layer")
+
+    def _sequences(self, rest: Tensors, ids: torch.Tensor) -> Any:
+        """`_per_sequence` of layer 0's arguments (hidden states first) on ``ids``' first
+        sequence repeated 2 and 3 times (forwards stopped at the first slot): which arguments
+        a part of the batch cuts, read from transformers' own forward rather than guessed from
+        shapes (a shared ``[T, ...]`` tensor would look per-sequence where ``T`` is the batch)."""
+        got = []
+
+        def keep(i: int, args: tuple, kwargs: dict) -> Any:
+            got.append((args, kwargs))
+            raise _Stop(None)
+
+        for n in (2, 3):
+            try:
+                self._forward(rest, ids[:1].expand(n, -1), keep)
+            except _Stop:
+                continue
+            raise AttnidError("internal: the forward did not reach the first layer")
+        return _per_sequence(*got)
 
     def micro(self, ids: torch.Tensor) -> int:
         """Sequences of ``ids`` per part after the forward (`MICRO_TOKENS` tokens, at least one)."""
