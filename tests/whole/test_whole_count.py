@@ -73,6 +73,31 @@ def test_total_equals_hf_parameter_count(model):
     assert c.identified + c.unidentified == c.total
 
 
+@pytest.mark.parametrize("family", ["llama-untied", "gpt2-untied", "qwen2-tied"])
+def test_a_model_object_counts_as_its_config(family, tmp_path):
+    """`count_model` of a transformers model built from a config object (no ``architectures``)
+    counts the model it is (its parameters, head included), as its saved config does; a
+    config object, a path object, and a refused type (one line)."""
+    from pathlib import Path
+
+    transformers = pytest.importorskip("transformers")
+    from attnid.errors import AttnidError
+
+    config = {k: v for k, v in CASES[family].items() if k != "architectures"}
+    cls = getattr(transformers, CASES[family]["architectures"][0])
+    model = cls(transformers.AutoConfig.for_model(**config))
+    assert not model.config.architectures
+    c = count_model(model)
+    params = sum(p.numel() for p in model.parameters())  # a tied table once
+    assert c.total == params, f"{family}: {c.total} counted, {params} parameters"
+    model.save_pretrained(tmp_path)
+    saved = count_model(Path(tmp_path))
+    assert (saved.total, saved.unidentified) == (c.total, c.unidentified), (saved, c)
+    assert count_model(model.config).total == count_model(model.config.to_dict()).total
+    with pytest.raises(AttnidError, match="got int"):
+        count_model(3)
+
+
 def test_import_attnid_does_not_import_transformers():
     import subprocess
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from attnid.adapters.config import load_config
@@ -10,9 +11,10 @@ from attnid.errors import AttnidError, require
 from attnid.theory.whole import WholeCount, count_structure
 
 
-def count_model(config: dict[str, Any] | str) -> WholeCount:
+def count_model(config: dict[str, Any] | str | os.PathLike[str] | Any) -> WholeCount:
     """Whole-model counts of a config (a dict, a config.json path, a model directory or a
-    bundled name), at its own sizes.
+    bundled name; or a transformers config object, or a transformers model: its config), at
+    its own sizes.
 
     Families with a closed form (GPT-2, BERT, RoBERTa, Llama/Mistral, Qwen2/Qwen3, Gemma, GPT-NeoX,
     Falcon, Phi-3) are counted exactly; the others (OLMo2, DeepSeek) are counted
@@ -23,8 +25,7 @@ def count_model(config: dict[str, Any] | str) -> WholeCount:
     >>> c.total, c.unidentified
     (6738415616, 25917440)
     """
-    if isinstance(config, str):
-        _, config = load_config(config)
+    config = _as_dict(config)
     adapter = adapter_for(config)
     why = adapter.unsupported_whole(config)
     if why:
@@ -39,3 +40,19 @@ def count_model(config: dict[str, Any] | str) -> WholeCount:
     from attnid.whole.check import numeric_whole  # torch + transformers: only when needed
 
     return numeric_whole(adapter, config)
+
+
+def _as_dict(config: Any) -> dict[str, Any]:
+    """`count_model`'s argument as a config dict; anything else refused in one line."""
+    if isinstance(config, (str, os.PathLike)):
+        return load_config(os.fspath(config))[1]
+    if isinstance(config, dict):
+        return config
+    if hasattr(config, "config") and hasattr(config, "state_dict"):  # a transformers model
+        from attnid.whole.transforms.state import module_config
+
+        return module_config(config)
+    if callable(getattr(config, "to_dict", None)):  # a transformers config object
+        return config.to_dict()
+    raise AttnidError(f"count_model: a config dict, a path or name, a transformers config or model; got "
+                      f"{type(config).__name__}")
