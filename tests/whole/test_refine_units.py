@@ -80,9 +80,21 @@ def test_the_gradient_through_a_tied_table(family, config, pieces, monkeypatch):
     assert "rotation" in parts, f"{family}: the tied stream did not rotate ({parts})"
 
 
-def compare_gradients(family: str, pieces: bool, monkeypatch, uniform: bool = False, **config) -> list[str]:
+@pytest.mark.filterwarnings("ignore:Converting a tensor with requires_grad")
+@pytest.mark.filterwarnings("ignore:Sliding Window Attention is enabled")
+def test_the_gradient_through_layers_of_two_kinds(monkeypatch):
+    """Layers handed different arguments: a Qwen2 whose second layer attends in a sliding
+    window under sdpa, where layer 0 gets no mask and layer 1 a ``[b, 1, T, T]`` one, run in
+    parts of one sequence: the later layer's mask is cut with its batch."""
+    compare_gradients("qwen2-bias-gqa", True, monkeypatch, eager=False, use_sliding_window=True,
+                      sliding_window=4, max_window_layers=1)
+
+
+def compare_gradients(family: str, pieces: bool, monkeypatch, uniform: bool = False, eager: bool = True,
+                      **config) -> list[str]:
     """The refinement's objective and gradient a unit at a time against the whole model's, at a
-    random element; the parts refined."""
+    random element; the parts refined. ``eager=False``: the unit-at-a-time forward with
+    transformers' default attention (sdpa), against the whole model's eager one."""
     if pieces:  # 3 sequences of 6 tokens: every part, the forward's layers too, a sequence at a time
         monkeypatch.setattr(refine_units_module, "BLOCK", 5)
         monkeypatch.setattr(refine_units_module, "MICRO_TOKENS", 6)
@@ -98,7 +110,7 @@ def compare_gradients(family: str, pieces: bool, monkeypatch, uniform: bool = Fa
             for p in theta.parameters():
                 p.copy_(0.05 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
         if units:  # eager attention: the whole model's (tiny_model's)
-            lm = LayerwiseLM(SplitSource(as_tensors(A)), torch.float64, eager=True)
+            lm = LayerwiseLM(SplitSource(as_tensors(A)), torch.float64, eager=eager)
             lm.drop_rest()  # a tensor a pass did not hand over would fail, not be the model's own
             value = UnitPathLoss(lm, SplitSource(as_tensors(A)), SplitSource(B), ALPHAS).backward(
                 theta.element, ids)
@@ -123,7 +135,9 @@ def test_parts_of_the_batch_cut_what_runs_per_sequence():
     """A part of the batch cuts the arguments whose first dimension follows the batch, read
     from the arguments on 2 and 3 sequences (`_per_sequence`), not from shapes: with 4
     sequences of 4 tokens a shared ``[T, d]`` table looks like the batch and stays whole, a
-    per-sequence ``[b]`` vector is cut; arguments shaped otherwise than layer 0's are refused."""
+    per-sequence ``[b]`` vector is cut; where the probe saw nothing (a later layer's mask
+    where layer 0 has None) a tensor of two or more dimensions whose first is the batch is
+    cut; an argument that changes otherwise with the batch is refused."""
     from attnid.errors import AttnidError
 
     T, d = 4, 3
@@ -143,9 +157,13 @@ def test_parts_of_the_batch_cut_what_runs_per_sequence():
     assert torch.equal(got["lengths"], kw["lengths"][part])
     assert torch.equal(got["pair"][0], kw["pair"][0][part]) and got["pair"][1] is None
     assert got["table"] is shared and got["cos"] is kw["cos"] and got["flag"] is True
-    with pytest.raises(AttnidError, match="not shaped as layer 0's"):
-        refine_units_module._rows((args, {**kw, "extra": torch.zeros(4, 2)}), part, rows, 4)
-    assert refine_units_module._rows((args, kw), part, None, 4) == (args, kw)  # one part: as it is
+    # a later layer's arguments where layer 0 had none, or another tensor: judged by shape
+    later = {**kw, "flag": torch.zeros(4, 1, T, T), "extra": torch.zeros(4, 2), "pos": torch.zeros(4)}
+    _, got = refine_units_module._rows((args, later), part, rows, 4)
+    assert got["flag"].shape[0] == 2 and got["extra"].shape[0] == 2 and got["pos"].shape[0] == 4, got
+    assert torch.equal(refine_units_module._rows(shared, part, None, 4), shared[part])  # no probe: the rule
+    with pytest.raises(AttnidError, match="not cut by sequences"):
+        refine_units_module._per_sequence(torch.zeros(2 * 3, T), torch.zeros(3 * 3, T + 1))
 
 
 @pytest.mark.parametrize("family", ["llama-gqa", "llama-tied", "gpt2-untied", "phi3"])

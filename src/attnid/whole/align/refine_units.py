@@ -135,38 +135,44 @@ class _Stop(Exception):  # noqa: N818  (not an error: the forward's work is done
 def _per_sequence(two: Any, three: Any) -> Any:
     """Which of a layer's arguments run per sequence, from layer 0's arguments on batches of 2
     and 3 sequences (`UnitPathLoss._sequences`): a tree like theirs with True for each tensor
-    whose first dimension follows the batch (hidden states, masks, positions per sequence) and
-    False for the rest (a position shared by the batch, ``[1, T, ...]``; anything else)."""
+    whose first dimension follows the batch (hidden states, masks, positions per sequence),
+    False for one that does not change (a position shared by the batch, ``[1, T, ...]``), and
+    None for anything else (not a tensor, or the two trees differ there: the probe says
+    nothing, and `_rows` judges a tensor found there by its shape). A tensor that changes
+    otherwise (``[b H, ...]``) cannot be cut by sequences: refused."""
     if isinstance(two, torch.Tensor) and isinstance(three, torch.Tensor):
-        return two.dim() >= 1 and (two.shape[0], three.shape[0]) == (2, 3)
+        if two.shape == three.shape:
+            return False
+        if two.dim() >= 1 and (two.shape[0], three.shape[0]) == (2, 3) and two.shape[1:] == three.shape[1:]:
+            return True
+        raise AttnidError(f"internal: a layer's argument is {list(two.shape)} on 2 sequences and "
+                          f"{list(three.shape)} on 3: not cut by sequences")
     if isinstance(two, (tuple, list)) and isinstance(three, (tuple, list)) and len(two) == len(three):
         return tuple(_per_sequence(x, y) for x, y in zip(two, three, strict=True))
     if isinstance(two, dict) and isinstance(three, dict) and two.keys() == three.keys():
         return {k: _per_sequence(v, three[k]) for k, v in two.items()}
-    return False
+    return None
 
 
 def _rows(tree: Any, part: slice, rows: Any, b: int) -> Any:
     """``tree`` (a layer's arguments on a batch of ``b`` sequences: tensors, tuples, lists,
     dicts) with the sequences ``part`` of every tensor `_per_sequence` marks in ``rows``, the
-    rest as it is. A tree that is not shaped as ``rows`` (a layer given other arguments than
-    layer 0) is refused rather than cut by a guess. ``rows`` None: one part, the whole batch."""
-    if rows is None:
-        return tree
+    rest as it is. Where ``rows`` says nothing (None, or shaped otherwise: a later layer may
+    get a mask where layer 0 gets none, as a sliding-window layer does), a tensor of two or
+    more dimensions whose first is the batch is cut."""
     if isinstance(tree, torch.Tensor):
-        if rows is True:
-            if tree.shape[0] != b:
-                raise AttnidError(f"internal: a layer's argument {list(tree.shape)} runs per sequence but "
-                                  f"its first dimension is not the batch's {b}")
-            return tree[part]
-        return tree
-    if isinstance(tree, (tuple, list)) and isinstance(rows, tuple) and len(tree) == len(rows):
-        out = [_rows(x, part, r, b) for x, r in zip(tree, rows, strict=True)]
+        cut = rows if isinstance(rows, bool) else tree.dim() >= 2 and tree.shape[0] == b
+        if cut and tree.shape[0] != b:
+            raise AttnidError(f"internal: a layer's argument {list(tree.shape)} runs per sequence but "
+                              f"its first dimension is not the batch's {b}")
+        return tree[part] if cut else tree
+    if isinstance(tree, (tuple, list)):
+        marks = rows if isinstance(rows, tuple) and len(rows) == len(tree) else (None,) * len(tree)
+        out = [_rows(x, part, r, b) for x, r in zip(tree, marks, strict=True)]
         return tuple(out) if isinstance(tree, tuple) else out
-    if isinstance(tree, dict) and isinstance(rows, dict) and tree.keys() == rows.keys():
-        return {k: _rows(v, part, rows[k], b) for k, v in tree.items()}
-    if isinstance(tree, (tuple, list, dict)) or rows is not False:
-        raise AttnidError("internal: a layer's arguments are not shaped as layer 0's")
+    if isinstance(tree, dict):
+        marks = rows if isinstance(rows, dict) else {}
+        return {k: _rows(v, part, marks.get(k), b) for k, v in tree.items()}
     return tree
 
 
@@ -487,7 +493,9 @@ class UnitPathLoss:
         """`_per_sequence` of layer 0's arguments (hidden states first) on ``ids``' first
         sequence repeated 2 and 3 times (forwards stopped at the first slot): which arguments
         a part of the batch cuts, read from transformers' own forward rather than guessed from
-        shapes (a shared ``[T, ...]`` tensor would look per-sequence where ``T`` is the batch)."""
+        shapes (a shared ``[T, ...]`` tensor would look per-sequence where ``T`` is the batch).
+        Layer 0's: another layer's arguments of the same place are marked alike (every layer
+        is handed the model's masks and positions; `_rows` judges the rest by shape)."""
         got = []
 
         def keep(i: int, args: tuple, kwargs: dict) -> Any:
