@@ -91,21 +91,33 @@ def test_calibration_matching_of_models_whose_config_names_no_class(family):
     assert al.aligned_distance == named.aligned_distance, (al.aligned_distance, named.aligned_distance)
 
 
-def test_module_config_names_the_nearest_transformers_class():
-    """`module_config`: a config's own ``architectures`` stand; without, the module's class, or
-    for a subclass of a transformers class that class (what transformers can build again)."""
+def test_module_config_names_the_class_the_module_is():
+    """`module_config`: the module's class, also where the config names another (a bare model
+    taken from a causal LM shares its config) or none; for a subclass of a transformers class
+    that class (what transformers can build again); a class deriving from a ``PreTrainedModel``
+    base alone keeps the config's names. Bare models taken from causal LMs align on
+    calibration (before: an AttributeError); their group has no stream map (their output is
+    the stream), so B's rotated stream is not undone."""
     import transformers
 
     from attnid.whole.transforms.state import module_config
 
     m = tiny_model(FAMILIES["llama-gqa"], seed=0)
-    m.config.architectures = ["SomethingElse"]
-    assert module_config(m)["architectures"] == ["SomethingElse"]
+    assert module_config(m)["architectures"] == ["LlamaForCausalLM"]
+    assert module_config(m.model)["architectures"] == ["LlamaModel"], m.config.architectures
     m.config.architectures = None
-    assert module_config(m)["architectures"] == [type(m).__name__] == ["LlamaForCausalLM"]
+    assert module_config(m)["architectures"] == ["LlamaForCausalLM"]
     mine = type("MyLlama", (transformers.LlamaForCausalLM,), {})(m.config)
     assert module_config(mine)["architectures"] == ["LlamaForCausalLM"]
-    assert module_config(mine.model)["architectures"] == ["LlamaModel"]
+    m.config.architectures = ["Kept"]
+    base = type("Mine", (transformers.LlamaPreTrainedModel,), {})(m.config)
+    assert module_config(base)["architectures"] == ["Kept"]
+    B = tiny_model(FAMILIES["llama-gqa"], seed=0)
+    B = T.apply_element(B, element(B))
+    ids = torch.randint(0, B.config.vocab_size, (4, 6), generator=gen(2))
+    al = align(tiny_model(FAMILIES["llama-gqa"], seed=0).model, B.model, subgroup="full", calibration=ids)
+    assert "bare model" in al.stream, al.stream
+    assert al.aligned_distance < al.raw_distance, (al.aligned_distance, al.raw_distance)
 
 
 CASES = [pytest.param(f, g, id=f"{f}-{g}") for f in ("llama-gqa", "qwen2-bias-gqa", "gpt2-untied",

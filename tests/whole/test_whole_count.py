@@ -77,10 +77,12 @@ def test_total_equals_hf_parameter_count(model):
 def test_a_model_object_counts_as_its_config(family, tmp_path):
     """`count_model` of a transformers model built from a config object (no ``architectures``)
     counts the model it is (its parameters, head included), as its saved config does; a
-    config object, a path object, and a refused type (one line)."""
+    path object, the bare model inside it, and refused types (one line each)."""
     from pathlib import Path
 
     transformers = pytest.importorskip("transformers")
+    import torch
+
     from attnid.errors import AttnidError
 
     config = {k: v for k, v in CASES[family].items() if k != "architectures"}
@@ -93,9 +95,12 @@ def test_a_model_object_counts_as_its_config(family, tmp_path):
     model.save_pretrained(tmp_path)
     saved = count_model(Path(tmp_path))
     assert (saved.total, saved.unidentified) == (c.total, c.unidentified), (saved, c)
-    assert count_model(model.config).total == count_model(model.config.to_dict()).total
+    bare = count_model(model.base_model)  # the bare model: its own class, though its config names the head's
+    assert bare.total == sum(p.numel() for p in model.base_model.parameters()), (family, bare.total)
     with pytest.raises(AttnidError, match="got int"):
         count_model(3)
+    with pytest.raises(AttnidError, match="not a transformers model"):
+        count_model(torch.nn.Linear(2, 2))
 
 
 def test_import_attnid_does_not_import_transformers():

@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+import sys
+from typing import TYPE_CHECKING, Any
 
 from attnid.adapters.config import load_config
 from attnid.adapters.registry import adapter_for
 from attnid.errors import AttnidError, require
 from attnid.theory.whole import WholeCount, count_structure
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
 
-def count_model(config: dict[str, Any] | str | os.PathLike[str] | Any) -> WholeCount:
+
+def count_model(config: dict[str, Any] | str | os.PathLike[str] | PretrainedConfig | PreTrainedModel
+                ) -> WholeCount:
     """Whole-model counts of a config (a dict, a config.json path, a model directory or a
-    bundled name; or a transformers config object, or a transformers model: its config), at
-    its own sizes.
+    bundled name; or a transformers config object, or a transformers model: its config naming
+    the class it is, `module_config`), at its own sizes.
 
     Families with a closed form (GPT-2, BERT, RoBERTa, Llama/Mistral, Qwen2/Qwen3, Gemma, GPT-NeoX,
     Falcon, Phi-3) are counted exactly; the others (OLMo2, DeepSeek) are counted
@@ -48,7 +53,10 @@ def _as_dict(config: Any) -> dict[str, Any]:
         return load_config(os.fspath(config))[1]
     if isinstance(config, dict):
         return config
-    if hasattr(config, "config") and hasattr(config, "state_dict"):  # a transformers model
+    torch = sys.modules.get("torch")  # a module given means torch is imported
+    if torch is not None and isinstance(config, torch.nn.Module):
+        if not callable(getattr(getattr(config, "config", None), "to_dict", None)):
+            raise AttnidError(f"count_model: {type(config).__name__} is not a transformers model (no config)")
         from attnid.whole.transforms.state import module_config
 
         return module_config(config)

@@ -32,22 +32,25 @@ from attnid.whole.transforms.layout import Layout, Lin, Norm, layout_for, layout
 
 
 def module_config(model: nn.Module) -> dict[str, Any]:
-    """A transformers module's config as a dict, naming the module's own class in
-    ``architectures`` when the config names none (as ``save_pretrained`` records it): a model
-    built from a config object (``LlamaForCausalLM(LlamaConfig(...))``) has none, and a
-    model rebuilt from the config (`attnid.whole.layerwise`) would otherwise be the bare one.
-    For a subclass, the nearest class transformers (or attnid: `adapters.base.own_classes`) defines."""
+    """A transformers module's config as a dict, with ``architectures`` naming the class the
+    module is: a model built from a config object (``LlamaForCausalLM(LlamaConfig(...))``)
+    names none, and a bare model taken from a causal LM (``lm.model``) shares a config that
+    names the head's class, so that a model rebuilt from the config (`attnid.whole.layerwise`)
+    or counted from it would be another one. For a subclass, the nearest class transformers
+    (or attnid: `adapters.base.own_classes`) defines, not a ``...PreTrainedModel`` base; the
+    config's own ``architectures`` where none is found."""
     import transformers
 
     from attnid.adapters.base import own_classes
 
     config = model.config.to_dict()
-    if config.get("architectures"):
-        return config
     own = own_classes(config)
     for c in type(model).__mro__:
-        if own.get(c.__name__) is c or getattr(transformers, c.__name__, None) is c:
-            return {**config, "architectures": [c.__name__]}
+        name = c.__name__
+        if name.endswith("PreTrainedModel"):
+            break
+        if own.get(name) is c or getattr(transformers, name, None) is c:
+            return {**config, "architectures": [name]}
     return config
 
 
