@@ -52,6 +52,11 @@ def point() -> int:
     return int(_here.point)
 
 
+def forwards_per_point(points: int) -> int:
+    """Forwards (threads) in flight at each of ``points`` points: `MAX_GATES` shared, one at least."""
+    return max(1, MAX_GATES // points)
+
+
 def group_size(T: int, width: int, dtype: torch.dtype, points: int, batch: int, budget: int | None = None
                ) -> int:
     """Chunks of ``T`` tokens a group holds (see the module): every point's hidden states under
@@ -59,7 +64,7 @@ def group_size(T: int, width: int, dtype: torch.dtype, points: int, batch: int, 
     more than one."""
     per_chunk = 3 * T * width * torch.finfo(dtype).bits // 8 * points
     group = max(1, (HIDDEN_BUDGET if budget is None else budget) // per_chunk)
-    group = min(group, batch * max(1, MAX_GATES // points))  # threads: one per point and batch
+    group = min(group, batch * forwards_per_point(points))  # threads: one per point and batch
     if group > batch:
         group -= group % batch  # whole batches: the same forwards as a run without groups
     return group

@@ -175,10 +175,11 @@ def _widths(m: Model) -> list[tuple[int, int, int, int]]:
 
 def kept_bytes(m: Model, ids: torch.Tensor, spill: bool = False) -> int:
     """What :func:`collect_pair` keeps at most for both models on the chunks ``ids [n, T]``, in
-    `keep_dtype`: the runner's hidden states of every chunk (one group: `pair_batch`), every
-    layer's head outputs or their `HeadSums` (the smaller), and one layer's rows (stream, head
-    outputs, neurons) before they are reduced. ``spill`` (`collect_pair`'s): of the
-    `HeadSums`, the largest layer's only."""
+    `keep_dtype` (not a forward's own intermediates, which grow with `pair_batch`): the
+    runner's hidden states of every chunk (one group), every layer's head outputs or their
+    `HeadSums` (the smaller), and one layer's rows (stream, head outputs, neurons) before
+    they are reduced. ``spill`` (`collect_pair`'s): of the `HeadSums`, the largest layer's
+    only."""
     widths = _widths(m)
     n, T = int(ids.shape[0]), int(ids.shape[1])
     N, dtype = n * T, keep_dtype(m)
@@ -287,8 +288,7 @@ def pair_batch(n: int, batch: int) -> int:
     need more forwards than `layerwise.MAX_GATES` holds in flight (16 a model), so that every
     chunk is in one group. A layer is complete only once every chunk has passed it; in several
     groups every layer's rows would be held until the last (docs/theory.md §13.20)."""
-    per_point = max(1, layerwise.MAX_GATES // 2)
-    return max(batch, -(-n // per_point))
+    return max(batch, -(-n // layerwise.forwards_per_point(2)))  # A and B: two points
 
 
 def collect_pair(A: Model, B: Model, ids: torch.Tensor, batch: int = 8, dtype: torch.dtype = torch.float64,
