@@ -158,9 +158,11 @@ def test_parts_of_the_batch_cut_what_runs_per_sequence():
     assert torch.equal(got["pair"][0], kw["pair"][0][part]) and got["pair"][1] is None
     assert got["table"] is shared and got["cos"] is kw["cos"] and got["flag"] is True
     # a later layer's arguments where layer 0 had none, or another tensor: judged by shape
-    later = {**kw, "flag": torch.zeros(4, 1, T, T), "extra": torch.zeros(4, 2), "pos": torch.zeros(4)}
+    later = {**kw, "flag": torch.zeros(4, 1, T, T), "extra": torch.zeros(4, 2), "pos": torch.zeros(4),
+             "cos": torch.zeros(4, T, d)}  # a shared place holding a per-sequence tensor here
     _, got = refine_units_module._rows((args, later), part, rows, 4)
     assert got["flag"].shape[0] == 2 and got["extra"].shape[0] == 2 and got["pos"].shape[0] == 4, got
+    assert got["cos"].shape[0] == 2 and got["table"] is shared, got
     assert torch.equal(refine_units_module._rows(shared, part, None, 4), shared[part])  # no probe: the rule
     with pytest.raises(AttnidError, match="not cut by sequences"):
         refine_units_module._per_sequence(torch.zeros(2 * 3, T), torch.zeros(3 * 3, T + 1))

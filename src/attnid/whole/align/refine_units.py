@@ -136,13 +136,13 @@ def _per_sequence(two: Any, three: Any) -> Any:
     """Which of a layer's arguments run per sequence, from layer 0's arguments on batches of 2
     and 3 sequences (`UnitPathLoss._sequences`): a tree like theirs with True for each tensor
     whose first dimension follows the batch (hidden states, masks, positions per sequence),
-    False for one that does not change (a position shared by the batch, ``[1, T, ...]``), and
-    None for anything else (not a tensor, or the two trees differ there: the probe says
+    the shape of one that does not change (a position shared by the batch, ``[1, T, ...]``),
+    and None for anything else (not a tensor, or the two trees differ there: the probe says
     nothing, and `_rows` judges a tensor found there by its shape). A tensor that changes
     otherwise (``[b H, ...]``) cannot be cut by sequences: refused."""
     if isinstance(two, torch.Tensor) and isinstance(three, torch.Tensor):
         if two.shape == three.shape:
-            return False
+            return two.shape
         if two.dim() >= 1 and (two.shape[0], three.shape[0]) == (2, 3) and two.shape[1:] == three.shape[1:]:
             return True
         raise AttnidError(f"internal: a layer's argument is {list(two.shape)} on 2 sequences and "
@@ -157,11 +157,15 @@ def _per_sequence(two: Any, three: Any) -> Any:
 def _rows(tree: Any, part: slice, rows: Any, b: int) -> Any:
     """``tree`` (a layer's arguments on a batch of ``b`` sequences: tensors, tuples, lists,
     dicts) with the sequences ``part`` of every tensor `_per_sequence` marks in ``rows``, the
-    rest as it is. Where ``rows`` says nothing (None, or shaped otherwise: a later layer may
-    get a mask where layer 0 gets none, as a sliding-window layer does), a tensor of two or
-    more dimensions whose first is the batch is cut."""
+    rest as it is (a shared tensor, where it has the shape marked). Where ``rows`` says
+    nothing (None, another shape, or a tree shaped otherwise: a later layer may get a mask
+    where layer 0 gets none, as a sliding-window layer does), a tensor of two or more
+    dimensions whose first is the batch is cut."""
     if isinstance(tree, torch.Tensor):
-        cut = rows if isinstance(rows, bool) else tree.dim() >= 2 and tree.shape[0] == b
+        if rows is True or (isinstance(rows, torch.Size) and tree.shape == rows):
+            cut = rows is True
+        else:
+            cut = tree.dim() >= 2 and tree.shape[0] == b
         if cut and tree.shape[0] != b:
             raise AttnidError(f"internal: a layer's argument {list(tree.shape)} runs per sequence but "
                               f"its first dimension is not the batch's {b}")
