@@ -195,6 +195,11 @@ def _stop(i: int, args: tuple, kwargs: dict) -> Any:
     raise _Stop(_hidden(args, kwargs))
 
 
+def _arguments(i: int, args: tuple, kwargs: dict) -> Any:
+    """A slot's work that ends the forward at the first layer, handing back all it was given."""
+    raise _Stop((args, kwargs))
+
+
 def _hollow(w: torch.Tensor) -> torch.Tensor:
     """A tensor of ``w``'s shape and dtype holding no memory (zeros, every stride 0): a table
     the forward must be given but whose rows no slot reads."""
@@ -484,11 +489,12 @@ class UnitPathLoss:
         self._pull(g, t, cot)
         return loss
 
-    def _start(self, tables: Tensors, ids: torch.Tensor) -> torch.Tensor:
+    def _start(self, tables: Tensors, ids: torch.Tensor, work: Callable[[int, tuple, dict], Any] = _stop
+               ) -> Any:
         """Layer 0's input on ``ids`` from the weights ``tables`` (a forward stopped at the first
-        slot)."""
+        slot); with ``work`` `_arguments`, all its arguments."""
         try:
-            self._forward(tables, ids, _stop)
+            self._forward(tables, ids, work)
         except _Stop as s:
             return s.x
         raise AttnidError("internal: the forward did not reach the first layer")
@@ -500,19 +506,7 @@ class UnitPathLoss:
         shapes (a shared ``[T, ...]`` tensor would look per-sequence where ``T`` is the batch).
         Layer 0's: another layer's arguments of the same place are marked alike (every layer
         is handed the model's masks and positions; `_rows` judges the rest by shape)."""
-        got = []
-
-        def keep(i: int, args: tuple, kwargs: dict) -> Any:
-            got.append((args, kwargs))
-            raise _Stop(None)
-
-        for n in (2, 3):
-            try:
-                self._forward(rest, ids[:1].expand(n, -1), keep)
-            except _Stop:
-                continue
-            raise AttnidError("internal: the forward did not reach the first layer")
-        return _per_sequence(*got)
+        return _per_sequence(*(self._start(rest, ids[:1].expand(n, -1), _arguments) for n in (2, 3)))
 
     def micro(self, ids: torch.Tensor) -> int:
         """Sequences of ``ids`` per part after the forward (`MICRO_TOKENS` tokens, at least one)."""

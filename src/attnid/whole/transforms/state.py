@@ -38,19 +38,17 @@ def module_config(model: nn.Module) -> dict[str, Any]:
     names the head's class, so that a model rebuilt from the config (`attnid.whole.layerwise`)
     or counted from it would be another one. For a subclass, the nearest class transformers
     (or attnid: `adapters.base.own_classes`) defines, not a ``...PreTrainedModel`` base; the
-    config's own ``architectures`` where none is found."""
-    import transformers
-
-    from attnid.adapters.base import own_classes
+    config's own ``architectures`` where none is found. A name counts when the one resolver
+    of names to classes (`adapters.base.hf_model_class`) gives this very class back."""
+    from attnid.adapters.base import hf_model_class
 
     config = model.config.to_dict()
-    own = own_classes(config)
     for c in type(model).__mro__:
-        name = c.__name__
-        if name.endswith("PreTrainedModel"):
+        if c.__name__.endswith("PreTrainedModel"):
             break
-        if own.get(name) is c or getattr(transformers, name, None) is c:
-            return {**config, "architectures": [name]}
+        named = {**config, "architectures": [c.__name__]}
+        if hf_model_class(named) is c:
+            return named
     return config
 
 
